@@ -1,0 +1,109 @@
+"""SamplingParams: per-request generation controls with OpenAI / vLLM meaning.
+
+Validation lives here so the engine, the offline ``LLM`` API and the HTTP server all refuse the
+same bad input with the same message (``InvalidRequestError`` naming the field and the limit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """Controls how tokens are chosen for one request (vLLM's ``SamplingParams``).
+
+    Attributes:
+        n: number of completions sampled from one prompt (they share the prompt's KV blocks).
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 disables.
+        min_p: drop tokens whose probability is below min_p × the top probability; in [0, 1].
+        seed: per-request RNG seed; the same seed gives the same tokens whatever else is batched.
+        presence_penalty, frequency_penalty: OpenAI penalties in [-2, 2] over generated tokens.
+        repetition_penalty: CTRL/HF-style multiplicative penalty (> 0; 1 disables) over prompt + output.
+        max_tokens: maximum generated tokens per completion (None: up to max_model_len).
+        min_tokens: EOS and stop_token_ids are suppressed until this many tokens are generated.
+        ignore_eos: keep generating after EOS (EOS is emitted but does not stop).
+        stop: strings that end generation; matched across token boundaries and excluded from text.
+        stop_token_ids: token ids that end generation (the token is not included in the text).
+        include_stop_str_in_output: keep the matched stop string in the text.
+        logprobs: number of top log-probabilities (0..20) to return per generated token; None = off.
+        prompt_logprobs: number of top log-probabilities per prompt token; None = off.
+        skip_special_tokens: leave special tokens out of the detokenized text.
+
+    Raises:
+        InvalidRequestError: from ``validate()`` when a field is outside its range.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Check every field; raises InvalidRequestError naming the field and its limit."""
+
+        def bad(param: str, msg: str) -> None:
+            raise InvalidRequestError(f"{param} {msg}", param=param)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            bad("temperature", f"must be non-negative, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            bad("top_k", f"must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
+        if not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not (-2.0 <= self.presence_penalty <= 2.0):
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not (-2.0 <= self.frequency_penalty <= 2.0):
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be greater than 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not (0 <= v <= MAX_LOGPROBS):
+                bad(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")

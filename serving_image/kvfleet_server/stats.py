@@ -1,0 +1,54 @@
+"""Counters and gauges the engine publishes after each step; the server turns them into vLLM's metrics.
+
+The engine owns the numbers, the server owns Prometheus: ``LLMEngine.get_stats()`` returns a fresh
+``SchedulerStats`` snapshot, and ``LLMEngine.step()`` fills ``LLMEngine.last_iteration`` with the
+``IterationStats`` of that step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerStats:
+    """Gauges at one instant.
+
+    Attributes:
+        num_running: sequences groups scheduled (in the running queue).
+        num_waiting: requests waiting for admission (including preempted ones).
+        kv_cache_usage: fraction of KV blocks in use by live requests, 0..1 (cached-but-free blocks
+            count as free, as in vLLM).
+        num_blocks_total / num_blocks_free / num_blocks_cached: KV block pool counts; cached blocks
+            are free blocks that still hold a reusable prefix.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    num_blocks_cached: int = 0
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did (all counts in tokens unless named otherwise).
+
+    Attributes:
+        num_prompt_tokens: prompt tokens computed by prefill in this step (cache hits excluded).
+        num_generation_tokens: tokens sampled in this step.
+        num_preemptions: sequences preempted in this step.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache at admission.
+        prefix_cache_hits: of those, tokens whose KV was reused.
+    """
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_generation_tokens
