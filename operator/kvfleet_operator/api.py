@@ -1,0 +1,380 @@
+"""InferenceService API (serving.kvfleet.dev/v1alpha1): the single source of truth.
+
+The pydantic models below define the custom resource's spec and status. ``crdgen`` turns them
+into the CRD's structural OpenAPI v3 schema (descriptions, defaults, bounds, enums) and adds the
+CEL rules listed in ``SPEC_RULES`` etc.; the same cross-field rules are enforced by the models'
+validators, so code that parses a spec (the reconcile, ``kvfleet-operator render``) refuses the
+objects the API server would refuse. Field names are camelCase in YAML (aliases), snake_case in
+Python.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "serving.kvfleet.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["infsvc"]
+DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet-server:0.1.0"
+MODEL_URI_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*|s3://[a-z0-9][a-z0-9.-]*(/[^\s]*)?|bundled://smollm2)$"
+QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+DNS1035 = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+def _int_or_string(description: str, **kw: Any) -> Any:
+    return Field(default=None, description=description,
+                 json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}, **kw)
+
+
+def _check_quantity(value: int | str | None, field: str) -> None:
+    if value is not None and not isinstance(value, int) and not re.match(QUANTITY_PATTERN, str(value)):
+        raise ValueError(f"{field}: {value!r} is not a Kubernetes quantity (e.g. 4, 500m, 16Gi)")
+
+
+# ----------------------------------------------------------------------------------------- spec
+class ModelSource(_Model):
+    """Where the weights come from and the name clients use."""
+    uri: str = Field(
+        description="Model location: hf://ORG/NAME[@REVISION] (downloaded by an init container into the "
+                    "model cache), pvc://CLAIM/PATH (mounted read-only), file:///PATH (a path already inside "
+                    "the serving image), s3://BUCKET/PREFIX (not supported yet: the object is reported "
+                    "Degraded), bundled://smollm2 (the SmolLM2-135M-Instruct GGUF bundled in the CPU image).",
+        pattern=MODEL_URI_PATTERN, max_length=1024)
+    name: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="Served model name (the `model` field clients send). Default: derived from the uri "
+                    "(ORG/NAME for hf://, the last path element otherwise).")
+    tokenizer: str | None = Field(
+        default=None, min_length=1, max_length=1024,
+        description="Tokenizer to load instead of the model's own (passed as --tokenizer).")
+
+
+class SpeculativeConfig(_Model):
+    """Speculative decoding (rendered as --speculative-config JSON, vLLM's keys)."""
+    method: Literal["ngram", "draft", "eagle3"] | None = Field(
+        default=None, description="Proposer: ngram (prompt lookup), draft (a smaller draft model) or eagle3 "
+                                  "(an EAGLE-3 head). Unset: no speculative decoding.")
+    num_speculative_tokens: int | None = Field(
+        default=None, ge=1, le=16, description="Tokens proposed per step (1-16). Requires method.")
+    draft_model: str | None = Field(
+        default=None, min_length=1, max_length=1024, pattern=MODEL_URI_PATTERN,
+        description="Draft model or EAGLE-3 head uri (same schemes as model.uri). Required for draft and eagle3.")
+    prompt_lookup_min: int | None = Field(default=None, ge=1, le=64,
+                                          description="ngram: smallest n-gram to match in the prompt.")
+    prompt_lookup_max: int | None = Field(default=None, ge=1, le=64,
+                                          description="ngram: largest n-gram to match in the prompt.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "SpeculativeConfig":
+        if self.method in ("draft", "eagle3") and not self.draft_model:
+            raise ValueError("spec.engine.speculative.draftModel is required when method is draft or eagle3")
+        if self.method is None and self.num_speculative_tokens is not None:
+            raise ValueError("spec.engine.speculative.numSpeculativeTokens requires spec.engine.speculative.method")
+        if self.method != "ngram" and (self.prompt_lookup_min is not None or self.prompt_lookup_max is not None):
+            raise ValueError("spec.engine.speculative.promptLookupMin/Max are only valid with method ngram")
+        if (self.prompt_lookup_min is not None and self.prompt_lookup_max is not None
+                and self.prompt_lookup_min > self.prompt_lookup_max):
+            raise ValueError("spec.engine.speculative.promptLookupMin must be <= promptLookupMax")
+        return self
+
+
+class EnvKeyRef(_Model):
+    """A key of a Secret or ConfigMap in the InferenceService's namespace."""
+    name: str = Field(description="Secret or ConfigMap name.", min_length=1, max_length=253)
+    key: str = Field(description="Key inside it.", min_length=1, max_length=253)
+    optional: bool | None = Field(default=None, description="Start even when the key is missing.")
+
+
+class EnvSource(_Model):
+    """Where an environment variable's value comes from."""
+    secret_key_ref: EnvKeyRef | None = Field(default=None, description="A key of a Secret (e.g. HF_TOKEN).")
+    config_map_key_ref: EnvKeyRef | None = Field(default=None, description="A key of a ConfigMap.")
+
+
+class EnvVar(_Model):
+    """An environment variable of the server container (and of the model download init container)."""
+    name: str = Field(description="Variable name.", pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=256)
+    value: str | None = Field(default=None, description="Literal value.", max_length=32768)
+    value_from: EnvSource | None = Field(default=None, description="Value from a Secret or ConfigMap key.")
+
+
+class EngineConfig(_Model):
+    """kvfleet-server settings; each field is rendered as the server's vLLM-style flag."""
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512,
+                       description="Serving image running kvfleet-server.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Image pull policy of the server container.")
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        default="auto", description="Weights and activations dtype (--dtype).")
+    quantization: Literal["none", "fp8", "int8", "gguf"] = Field(
+        default="none", description="Weight quantization (--quantization; none renders no flag).")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(default="auto", description="KV cache dtype (--kv-cache-dtype).")
+    tensor_parallel_size: Literal[1, 2, 4, 8] = Field(
+        default=1, description="GPUs one replica shards the model over (--tensor-parallel-size).")
+    gpu_memory_utilization: float = Field(
+        default=0.9, ge=0.1, le=0.99,
+        description="Fraction of GPU memory for weights + KV cache (--gpu-memory-utilization).")
+    max_model_len: int | None = Field(default=None, ge=16, le=1048576,
+                                      description="Context length limit in tokens (--max-model-len).")
+    max_num_seqs: int | None = Field(default=None, ge=1, le=4096,
+                                     description="Sequences batched per step (--max-num-seqs).")
+    max_num_batched_tokens: int | None = Field(default=None, ge=16, le=1048576,
+                                               description="Tokens per scheduler step (--max-num-batched-tokens).")
+    block_size: Literal[8, 16, 32, 64, 128] = Field(default=16, description="KV cache block size in tokens (--block-size).")
+    enable_prefix_caching: bool = Field(
+        default=True, description="Automatic prefix caching (--enable-prefix-caching / --no-enable-prefix-caching).")
+    shutdown_timeout_seconds: int = Field(
+        default=30, ge=0, le=3600,
+        description="Drain time for in-flight requests after SIGTERM (--shutdown-timeout); "
+                    "terminationGracePeriodSeconds is derived from it.")
+    speculative: SpeculativeConfig | None = Field(default=None, description="Speculative decoding.")
+    extra_args: list[str] = Field(default_factory=list, max_length=64,
+                                  description="Extra kvfleet-server flags, appended after the rendered ones.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64,
+                              description="Environment variables of the server container.")
+
+
+class Autoscaling(_Model):
+    """Replica autoscaling on KV-cache usage and queue length (the operator's own autoscaler)."""
+    enabled: bool = Field(default=False, description="Let the operator set the Deployment's replicas; "
+                                                     "spec.replicas is then ignored.")
+    min_replicas: int = Field(default=1, ge=1, le=1000,
+                              description="Lower bound (scale to zero is not supported yet).")
+    max_replicas: int | None = Field(default=None, ge=1, le=1000,
+                                     description="Upper bound; required when enabled.")
+    target_kv_cache_usage: float = Field(default=0.8, gt=0.0, le=1.0, alias="targetKVCacheUsage",
+                                         description="Target mean KV-cache usage per ready replica (0-1].")
+    target_queue_length: float = Field(default=5, gt=0, le=10000,
+                                       description="Target waiting requests per ready replica.")
+    scale_up_stabilization_seconds: int = Field(default=0, ge=0, le=3600,
+                                                description="Wait before acting on a scale-up recommendation.")
+    scale_down_stabilization_seconds: int = Field(
+        default=300, ge=0, le=86400,
+        description="Scale down only to the highest recommendation seen within this window.")
+    metrics_interval_seconds: int = Field(default=15, ge=1, le=3600,
+                                          description="How often pods' /metrics are scraped.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "Autoscaling":
+        if self.enabled and self.max_replicas is None:
+            raise ValueError("spec.autoscaling.maxReplicas is required when autoscaling is enabled")
+        if self.max_replicas is not None and self.min_replicas > self.max_replicas:
+            raise ValueError("spec.autoscaling.minReplicas must be <= spec.autoscaling.maxReplicas")
+        return self
+
+
+class Resources(_Model):
+    """Compute resources of one replica."""
+    gpus: int | None = Field(default=None, ge=0, le=16,
+                             description="GPUs per replica (default: engine.tensorParallelSize; 0 runs on CPU).")
+    gpu_resource_name: str = Field(default="nvidia.com/gpu", min_length=1, max_length=253,
+                                   pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$",
+                                   description="Extended resource name of the GPU.")
+    cpu: int | str | None = _int_or_string("CPU request of the server container (Kubernetes quantity).")
+    memory: int | str | None = _int_or_string("Memory request and limit of the server container (quantity).")
+
+    @model_validator(mode="after")
+    def _quantities(self) -> "Resources":
+        _check_quantity(self.cpu, "spec.resources.cpu")
+        _check_quantity(self.memory, "spec.resources.memory")
+        return self
+
+
+class Toleration(_Model):
+    """A Kubernetes toleration."""
+    key: str | None = Field(default=None, max_length=253, description="Taint key (empty with Exists: all).")
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal (default).")
+    value: str | None = Field(default=None, max_length=253, description="Taint value for Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate (empty: all).")
+    toleration_seconds: int | None = Field(default=None, ge=0, description="NoExecute: how long to stay bound.")
+
+
+class Scheduling(_Model):
+    """Where replicas may run."""
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
+    affinity: dict[str, Any] | None = Field(default=None, description="Pod affinity (the core/v1 Affinity object).",
+                                            json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+    priority_class_name: str | None = Field(default=None, max_length=253, description="Pod priorityClassName.")
+    runtime_class_name: str | None = Field(default=None, max_length=253, description="Pod runtimeClassName.")
+
+
+class Probes(_Model):
+    """Health checking."""
+    startup_timeout_seconds: int = Field(
+        default=1800, ge=10, le=86400,
+        description="Time a replica may take to load the model before it is restarted "
+                    "(startupProbe periodSeconds x failureThreshold).")
+
+
+class ServiceConfig(_Model):
+    """The Service in front of the replicas."""
+    port: int = Field(default=8000, ge=1, le=65535, description="Service port (named http); also the server port.")
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(default="ClusterIP", description="Service type.")
+
+
+class EmptyDirCache(_Model):
+    """A per-pod emptyDir model cache."""
+    size_limit: int | str | None = _int_or_string("Size limit of the emptyDir (quantity).")
+
+    @model_validator(mode="after")
+    def _quantity(self) -> "EmptyDirCache":
+        _check_quantity(self.size_limit, "spec.modelCache.emptyDir.sizeLimit")
+        return self
+
+
+class ModelCache(_Model):
+    """Volume that hf:// downloads go to (default: a per-pod emptyDir)."""
+    persistent_volume_claim: str | None = Field(default=None, pattern=DNS1035.replace("{0,61}", "{0,251}"),
+                                                description="Existing PVC (ReadWriteMany to share across replicas).")
+    empty_dir: EmptyDirCache | None = Field(default=None, description="Per-pod emptyDir cache.")
+
+    @model_validator(mode="after")
+    def _one(self) -> "ModelCache":
+        if self.persistent_volume_claim is not None and self.empty_dir is not None:
+            raise ValueError("spec.modelCache: set persistentVolumeClaim or emptyDir, not both")
+        return self
+
+
+class InferenceServiceSpec(_Model):
+    """Desired state of an InferenceService."""
+    model: ModelSource = Field(description="The model to serve.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Serving engine settings.")
+    replicas: int = Field(default=1, ge=0, le=1000,
+                          description="Replicas when autoscaling is disabled (scale subresource). "
+                                      "Ignored while autoscaling.enabled.")
+    autoscaling: Autoscaling = Field(default_factory=Autoscaling, description="Autoscaling.")
+    resources: Resources = Field(default_factory=Resources, description="Per-replica resources.")
+    scheduling: Scheduling = Field(default_factory=Scheduling, description="Pod scheduling.")
+    probes: Probes = Field(default_factory=Probes, description="Health checks.")
+    service: ServiceConfig = Field(default_factory=ServiceConfig, description="Service.")
+    model_cache: ModelCache = Field(default_factory=ModelCache, description="Model download cache.")
+
+    @model_validator(mode="after")
+    def _rules(self) -> "InferenceServiceSpec":
+        g, tp = self.resources.gpus, self.engine.tensor_parallel_size
+        if g is not None and g < tp and not (g == 0 and tp == 1):
+            raise ValueError(f"spec.resources.gpus ({g}) must be >= spec.engine.tensorParallelSize ({tp})")
+        return self
+
+    @property
+    def gpus(self) -> int:
+        """GPUs per replica after defaulting (tensorParallelSize when unset)."""
+        return self.engine.tensor_parallel_size if self.resources.gpus is None else self.resources.gpus
+
+    @property
+    def served_model_name(self) -> str:
+        """model.name, or derived from the uri: ORG/NAME for hf://, else the last path element."""
+        if self.model.name:
+            return self.model.name
+        scheme, rest = self.model.uri.split("://", 1)
+        if scheme == "hf":
+            return rest.split("@", 1)[0]
+        last = rest.rstrip("/").rsplit("/", 1)[-1]
+        return last or rest
+
+
+# CEL rules (x-kubernetes-validations) attached by crdgen; each mirrors a model validator above.
+ROOT_RULES = [
+    {"rule": f"self.metadata.name.matches('{DNS1035}')",
+     "message": "metadata.name must be a DNS-1035 label (lowercase letters, digits, '-', starting with a letter, "
+                "at most 63 characters): it names the Service",
+     "fieldPath": ".metadata.name", "reason": "FieldValueInvalid"},
+]
+SPEC_RULES = [
+    {"rule": "!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus >= "
+             "(has(self.engine) && has(self.engine.tensorParallelSize) ? self.engine.tensorParallelSize : 1) || "
+             "(self.resources.gpus == 0 && (!has(self.engine) || !has(self.engine.tensorParallelSize) || "
+             "self.engine.tensorParallelSize == 1))",
+     "message": "spec.resources.gpus must be >= spec.engine.tensorParallelSize (0 only with tensorParallelSize 1)",
+     "fieldPath": ".resources.gpus", "reason": "FieldValueInvalid"},
+]
+AUTOSCALING_RULES = [
+    {"rule": "!has(self.maxReplicas) || !has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+     "message": "spec.autoscaling.minReplicas must be <= spec.autoscaling.maxReplicas",
+     "fieldPath": ".minReplicas", "reason": "FieldValueInvalid"},
+    {"rule": "!has(self.enabled) || !self.enabled || has(self.maxReplicas)",
+     "message": "spec.autoscaling.maxReplicas is required when autoscaling is enabled",
+     "fieldPath": ".maxReplicas", "reason": "FieldValueRequired"},
+]
+SPECULATIVE_RULES = [
+    {"rule": "!has(self.method) || !(self.method in ['draft', 'eagle3']) || has(self.draftModel)",
+     "message": "spec.engine.speculative.draftModel is required when method is draft or eagle3",
+     "fieldPath": ".draftModel", "reason": "FieldValueRequired"},
+    {"rule": "has(self.method) || !has(self.numSpeculativeTokens)",
+     "message": "spec.engine.speculative.numSpeculativeTokens requires spec.engine.speculative.method",
+     "fieldPath": ".numSpeculativeTokens", "reason": "FieldValueForbidden"},
+    {"rule": "(has(self.method) && self.method == 'ngram') || (!has(self.promptLookupMin) && !has(self.promptLookupMax))",
+     "message": "spec.engine.speculative.promptLookupMin/Max are only valid with method ngram",
+     "fieldPath": ".method", "reason": "FieldValueForbidden"},
+    {"rule": "!has(self.promptLookupMin) || !has(self.promptLookupMax) || self.promptLookupMin <= self.promptLookupMax",
+     "message": "spec.engine.speculative.promptLookupMin must be <= promptLookupMax",
+     "fieldPath": ".promptLookupMin", "reason": "FieldValueInvalid"},
+]
+MODEL_CACHE_RULES = [
+    {"rule": "!(has(self.persistentVolumeClaim) && has(self.emptyDir))",
+     "message": "spec.modelCache: set persistentVolumeClaim or emptyDir, not both",
+     "reason": "FieldValueForbidden"},
+]
+
+
+# --------------------------------------------------------------------------------------- status
+class Condition(_Model):
+    """A status condition, the shape `kubectl wait --for=condition=Ready` and Argo CD read."""
+    type: str = Field(description="Ready, Progressing, Degraded (reconcile) or another controller's type.",
+                      max_length=316)
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str | None = Field(default=None, max_length=1024, description="CamelCase reason of the last transition.")
+    message: str | None = Field(default=None, max_length=32768, description="Human-readable details.")
+    last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).",
+                                             json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = Field(default=None, ge=0,
+                                            description="metadata.generation this condition was computed for.")
+
+
+class AutoscalingStatus(_Model):
+    """Written by the autoscaler (never by the reconcile)."""
+    last_scale_time: str | None = Field(default=None, description="Time of the last replica change (RFC 3339).",
+                                        json_schema_extra={"format": "date-time"})
+    reason: str | None = Field(default=None, max_length=1024,
+                               description="CamelCase reason of the last decision (e.g. KVCacheUsageHigh, "
+                                           "MetricsUnavailable).")
+    message: str | None = Field(default=None, max_length=32768,
+                                description="Last decision in words, e.g. 'scaled 2->4: kv cache usage 0.93 > "
+                                            "target 0.80'.")
+    kv_cache_usage: float | None = Field(default=None, ge=0, description="Mean KV-cache usage of scraped pods (0-1).")
+    waiting_requests: float | None = Field(default=None, ge=0, description="Waiting requests summed over scraped pods.")
+    running_requests: float | None = Field(default=None, ge=0, description="Running requests summed over scraped pods.")
+    scraped_pods: int | None = Field(default=None, ge=0, description="Ready pods whose metrics were read.")
+    recommendation: int | None = Field(default=None, ge=0, description="Last recommended replica count.")
+
+
+class InferenceServiceStatus(_Model):
+    """Observed state, written by the operator through the status subresource."""
+    observed_generation: int | None = Field(default=None, ge=0,
+                                            description="metadata.generation the reconcile last acted on.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing, Degraded.",
+                                        json_schema_extra={"x-kubernetes-list-type": "map",
+                                                           "x-kubernetes-list-map-keys": ["type"]})
+    replicas: int | None = Field(default=None, ge=0, description="Pods of the Deployment (scale subresource).")
+    ready_replicas: int | None = Field(default=None, ge=0, description="Pods passing their readiness probe.")
+    updated_replicas: int | None = Field(default=None, ge=0, description="Pods running the current template.")
+    desired_replicas: int | None = Field(default=None, ge=0,
+                                         description="Replicas asked of the Deployment (spec.replicas, or the "
+                                                     "autoscaler's decision).")
+    selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
+    url: str | None = Field(default=None, description="OpenAI base URL inside the cluster: http://NAME.NAMESPACE.svc:PORT/v1.")
+    model: str | None = Field(default=None, description="Served model name.")
+    autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")

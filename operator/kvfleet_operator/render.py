@@ -1,0 +1,359 @@
+"""Pure rendering: an InferenceService object (dict) -> its Deployment, Service and PodDisruptionBudget.
+
+No I/O. ``render(obj, replicas=...)`` returns plain dicts ready for the API; ``parse_spec`` validates
+the spec with the api models (defaults filled in); ``Unrealisable`` is raised for specs that pass the
+schema but cannot be run (the reconcile reports them as Degraded and does not retry).
+
+Choices (see docs/operator.md): the server container runs ``kvfleet-server`` with every engine field
+as its vLLM-style flag; the startup probe allows ``probes.startupTimeoutSeconds`` exactly
+(periodSeconds x failureThreshold); terminationGracePeriodSeconds = preStop sleep + drain timeout +
+margin; rolling updates use maxSurge 0 / maxUnavailable 1 because a surge pod that cannot get a GPU
+deadlocks a full cluster; pods run as non-root with a read-only root filesystem.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pydantic
+
+from . import api
+
+MANAGED_BY = "kvfleet-operator"
+SERVER_CONTAINER = "kvfleet-server"
+HTTP_PORT_NAME = "http"
+MODEL_ROOT = "/models"
+PRESTOP_SLEEP_SECONDS = 5
+TERMINATION_MARGIN_SECONDS = 10
+STARTUP_MAX_PERIOD_SECONDS = 10
+RUN_AS_USER = 1000
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+NAME_LABEL = "app.kubernetes.io/name"
+OWNER_LABEL = "serving.kvfleet.dev/inferenceservice"
+HF_DOWNLOAD = (
+    "import sys; from huggingface_hub import snapshot_download; "
+    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])"
+)
+
+
+class Unrealisable(Exception):
+    """The spec passed the schema but cannot be turned into running pods.
+
+    ``reason`` is a CamelCase condition reason, ``message`` names the field and the problem.
+    """
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def parse_spec(obj: dict[str, Any]) -> api.InferenceServiceSpec:
+    """Validate ``obj['spec']`` with the api models; raises Unrealisable(reason='InvalidSpec')."""
+    try:
+        return api.InferenceServiceSpec.model_validate(obj.get("spec") or {})
+    except pydantic.ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            problems.append(f"spec.{loc}: {err['msg']}" if loc else err["msg"])
+        raise Unrealisable("InvalidSpec", "; ".join(problems)) from None
+
+
+# ------------------------------------------------------------------------------------ labels etc.
+def selector_labels(name: str) -> dict[str, str]:
+    """Labels that select an InferenceService's pods (immutable Deployment selector)."""
+    return {NAME_LABEL: "kvfleet-server", INSTANCE_LABEL: name}
+
+
+def selector_string(name: str) -> str:
+    """status.selector: the pod selector as a string (for the scale subresource and HPA-style tools)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def common_labels(name: str) -> dict[str, str]:
+    """app.kubernetes.io labels carried by every child and by the pods."""
+    return {**selector_labels(name), "app.kubernetes.io/component": "inference-server",
+            "app.kubernetes.io/part-of": "kvfleet", "app.kubernetes.io/managed-by": MANAGED_BY,
+            OWNER_LABEL: name}
+
+
+def service_url(name: str, namespace: str, port: int) -> str:
+    """OpenAI base URL of the Service inside the cluster."""
+    return f"http://{name}.{namespace}.svc:{port}/v1"
+
+
+def owner_reference(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The controller ownerReference to the InferenceService (None when it has no uid yet)."""
+    meta = obj.get("metadata", {})
+    if not meta.get("uid"):
+        return None
+    return {"apiVersion": api.API_VERSION, "kind": api.KIND, "name": meta["name"], "uid": meta["uid"],
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def startup_probe_timing(timeout_seconds: int) -> tuple[int, int]:
+    """(periodSeconds, failureThreshold) with period x threshold == timeout_seconds exactly.
+
+    The period is the largest divisor of the timeout not above 10 s (1 s at worst)."""
+    period = next(p for p in range(min(STARTUP_MAX_PERIOD_SECONDS, timeout_seconds), 0, -1)
+                  if timeout_seconds % p == 0)
+    return period, timeout_seconds // period
+
+
+def termination_grace_seconds(spec: api.InferenceServiceSpec) -> int:
+    """preStop sleep + server drain timeout + a margin, so the drain is never cut short by SIGKILL."""
+    return PRESTOP_SLEEP_SECONDS + spec.engine.shutdown_timeout_seconds + TERMINATION_MARGIN_SECONDS
+
+
+def desired_replicas(spec: api.InferenceServiceSpec, live_replicas: int | None,
+                     status_desired: int | None) -> int:
+    """Replicas the Deployment should get.
+
+    Autoscaling disabled: spec.replicas. Enabled: the autoscaler owns the count — keep the live
+    Deployment's replicas (else status.desiredReplicas, else minReplicas), clamped to [min, max]."""
+    auto = spec.autoscaling
+    if not auto.enabled:
+        return spec.replicas
+    current = live_replicas if live_replicas is not None else status_desired
+    current = auto.min_replicas if current is None else current
+    return max(auto.min_replicas, min(auto.max_replicas or auto.min_replicas, current))
+
+
+# --------------------------------------------------------------------------------- model sources
+@dataclass
+class _Mounts:
+    volumes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    mounts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    downloads: list[tuple[str, str, str]] = field(default_factory=list)  # (repo, revision, dir)
+
+
+def _cache_volume(spec: api.InferenceServiceSpec) -> dict[str, Any]:
+    cache = spec.model_cache
+    if cache.persistent_volume_claim:
+        return {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim}}
+    empty: dict[str, Any] = {}
+    if cache.empty_dir is not None and cache.empty_dir.size_limit is not None:
+        empty["sizeLimit"] = str(cache.empty_dir.size_limit)
+    return {"name": "model-cache", "emptyDir": empty}
+
+
+def _resolve(uri: str, spec: api.InferenceServiceSpec, m: _Mounts, what: str) -> str:
+    """Map a model uri to the path kvfleet-server loads, adding the volumes it needs."""
+    scheme, rest = uri.split("://", 1)
+    if scheme == "hf":
+        repo, _, revision = rest.partition("@")
+        revision = revision or "main"
+        target = f"{MODEL_ROOT}/hf/{repo}/{revision}"
+        m.volumes["model-cache"] = _cache_volume(spec)
+        m.mounts["model-cache"] = {"name": "model-cache", "mountPath": MODEL_ROOT}
+        if (repo, revision, target) not in m.downloads:
+            m.downloads.append((repo, revision, target))
+        return target
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        vol = f"pvc-{claim}"[:63].rstrip("-")
+        mount = f"{MODEL_ROOT}/pvc/{claim}"
+        m.volumes[vol] = {"name": vol, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        m.mounts[vol] = {"name": vol, "mountPath": mount, "readOnly": True}
+        return f"{mount}/{path}".rstrip("/") if path else mount
+    if scheme == "file":
+        return rest  # file:///abs/path -> /abs/path, a path inside the serving image
+    if scheme == "bundled":
+        return rest  # bundled://smollm2 -> `--model smollm2`, the GGUF bundled in the CPU image
+    raise Unrealisable("UnsupportedModelURI",
+                       f"{what}: not supported yet: {scheme}:// model URIs ({uri}); copy the weights to a "
+                       f"PersistentVolumeClaim and use pvc://CLAIM/PATH, or use hf://ORG/NAME")
+
+
+def server_args(spec: api.InferenceServiceSpec, model_path: str, draft_path: str | None) -> list[str]:
+    """kvfleet-server flags for every engine field (vLLM's flag names), then extraArgs."""
+    e = spec.engine
+    gpu = spec.gpus > 0
+    args = ["--model", model_path, "--served-model-name", spec.served_model_name,
+            "--host", "0.0.0.0", "--port", str(spec.service.port),
+            "--device", "cuda" if gpu else "cpu", "--dtype", e.dtype]
+    if spec.model.tokenizer:
+        args += ["--tokenizer", spec.model.tokenizer]
+    args += ["--block-size", str(e.block_size)]
+    if gpu:
+        args += ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
+    for flag, value in (("--max-model-len", e.max_model_len), ("--max-num-seqs", e.max_num_seqs),
+                        ("--max-num-batched-tokens", e.max_num_batched_tokens)):
+        if value is not None:
+            args += [flag, str(value)]
+    args.append("--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching")
+    if e.quantization != "none":
+        args += ["--quantization", e.quantization]
+    args += ["--kv-cache-dtype", e.kv_cache_dtype, "--tensor-parallel-size", str(e.tensor_parallel_size)]
+    sp = e.speculative
+    if sp is not None and sp.method is not None:
+        cfg: dict[str, Any] = {"method": "draft_model" if sp.method == "draft" else sp.method}
+        if sp.num_speculative_tokens is not None:
+            cfg["num_speculative_tokens"] = sp.num_speculative_tokens
+        if draft_path is not None:
+            cfg["model"] = draft_path
+        if sp.prompt_lookup_min is not None:
+            cfg["prompt_lookup_min"] = sp.prompt_lookup_min
+        if sp.prompt_lookup_max is not None:
+            cfg["prompt_lookup_max"] = sp.prompt_lookup_max
+        args += ["--speculative-config", json.dumps(cfg, sort_keys=True, separators=(",", ":"))]
+    args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
+    return args + list(e.extra_args)
+
+
+# ---------------------------------------------------------------------------------------- render
+@dataclass(frozen=True)
+class Children:
+    """The rendered children of one InferenceService (pdb is None when not wanted)."""
+    deployment: dict[str, Any]
+    service: dict[str, Any]
+    pdb: dict[str, Any] | None
+
+
+def _meta(obj: dict[str, Any], kind_labels: dict[str, str]) -> dict[str, Any]:
+    meta = obj["metadata"]
+    out: dict[str, Any] = {"name": meta["name"], "namespace": meta.get("namespace") or "default",
+                           "labels": dict(kind_labels)}
+    ref = owner_reference(obj)
+    if ref is not None:
+        out["ownerReferences"] = [ref]
+    return out
+
+
+def _security_context() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def render(obj: dict[str, Any], replicas: int | None = None) -> Children:
+    """Render the children of InferenceService ``obj``.
+
+    replicas: the Deployment's replica count (see ``desired_replicas``); None means
+    ``desired_replicas(spec, None, status.desiredReplicas)``. Raises Unrealisable."""
+    spec = parse_spec(obj)
+    name = obj["metadata"]["name"]
+    if replicas is None:
+        replicas = desired_replicas(spec, None, (obj.get("status") or {}).get("desiredReplicas"))
+    labels = common_labels(name)
+    mounts = _Mounts()
+    model_path = _resolve(spec.model.uri, spec, mounts, "spec.model.uri")
+    sp = spec.engine.speculative
+    draft_path = _resolve(sp.draft_model, spec, mounts, "spec.engine.speculative.draftModel") \
+        if sp is not None and sp.draft_model else None
+    gpus = spec.gpus
+    e = spec.engine
+
+    env = [v.model_dump(by_alias=True, exclude_none=True) for v in e.env]
+    env_names = {v["name"] for v in env}
+    hf_home = f"{MODEL_ROOT}/.hf-home" if mounts.downloads else "/tmp/.hf-home"
+    env += [{"name": k, "value": v} for k, v in (("HOME", "/tmp"), ("HF_HOME", hf_home)) if k not in env_names]
+    volumes = [{"name": "tmp", "emptyDir": {}}] + list(mounts.volumes.values())
+    volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}] + list(mounts.mounts.values())
+    if e.tensor_parallel_size > 1:  # NCCL needs a large /dev/shm between the TP workers
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        volume_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+
+    resources: dict[str, Any] = {}
+    if gpus > 0:
+        resources.setdefault("limits", {})[spec.resources.gpu_resource_name] = str(gpus)
+    if spec.resources.cpu is not None:
+        resources.setdefault("requests", {})["cpu"] = str(spec.resources.cpu)
+    if spec.resources.memory is not None:
+        resources.setdefault("requests", {})["memory"] = str(spec.resources.memory)
+        resources.setdefault("limits", {})["memory"] = str(spec.resources.memory)
+
+    period, failures = startup_probe_timing(spec.probes.startup_timeout_seconds)
+    health = {"path": "/health", "port": HTTP_PORT_NAME}
+    container: dict[str, Any] = {
+        "name": SERVER_CONTAINER,
+        "image": e.image,
+        "imagePullPolicy": e.image_pull_policy,
+        "command": ["kvfleet-server"],
+        "args": server_args(spec, model_path, draft_path),
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": spec.service.port, "protocol": "TCP"}],
+        "env": env,
+        "resources": resources,
+        "volumeMounts": volume_mounts,
+        "startupProbe": {"httpGet": health, "periodSeconds": period, "failureThreshold": failures,
+                         "timeoutSeconds": 1},
+        "readinessProbe": {"httpGet": health, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 2},
+        "livenessProbe": {"httpGet": health, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "securityContext": _security_context(),
+    }
+    init_containers = [{
+        "name": f"model-download-{i}" if i else "model-download",
+        "image": e.image,
+        "imagePullPolicy": e.image_pull_policy,
+        "command": ["python", "-c", HF_DOWNLOAD, repo, revision, target],
+        "env": env,
+        "volumeMounts": volume_mounts,
+        "securityContext": _security_context(),
+    } for i, (repo, revision, target) in enumerate(mounts.downloads)]
+
+    sched = spec.scheduling
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,  # a Service named like the server would inject *_PORT env vars
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
+    if sched.node_selector:
+        pod_spec["nodeSelector"] = dict(sched.node_selector)
+    if sched.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in sched.tolerations]
+    if sched.affinity:
+        pod_spec["affinity"] = sched.affinity
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    if sched.runtime_class_name:
+        pod_spec["runtimeClassName"] = sched.runtime_class_name
+
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(obj, labels),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(name)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "progressDeadlineSeconds": spec.probes.startup_timeout_seconds + 600,
+            "revisionHistoryLimit": 3,
+            "template": {
+                "metadata": {
+                    "labels": dict(labels),
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.service.port),
+                                    "prometheus.io/path": "/metrics"},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(obj, labels),
+        "spec": {
+            "type": spec.service.type,
+            "selector": selector_labels(name),
+            "ports": [{"name": HTTP_PORT_NAME, "port": spec.service.port, "targetPort": HTTP_PORT_NAME,
+                       "protocol": "TCP", "appProtocol": "http"}],
+        },
+    }
+    most = (spec.autoscaling.max_replicas or 1) if spec.autoscaling.enabled else replicas
+    pdb = None
+    if most > 1:
+        pdb = {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": _meta(obj, labels),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+        }
+    return Children(deployment=deployment, service=service, pdb=pdb)
