@@ -1,0 +1,186 @@
+"""Pure conversions between the OpenAI request/response shapes and the engine's types (no I/O).
+
+- request → ``SamplingParams`` (vLLM's meaning for every field; unbuilt fields refused);
+- engine ``PositionLogprobs`` → OpenAI's legacy completion logprobs and chat logprobs;
+- prompt forms of /v1/completions → a list of engine prompts.
+"""
+
+from __future__ import annotations
+
+from ..errors import InvalidRequestError, UnsupportedFeatureError
+from ..outputs import Logprob, PositionLogprobs
+from ..sampling_params import SamplingParams
+from .protocol import (ChatCompletionRequest, ChatMessage, ChatTokenLogprob, CompletionLogProbs,
+                       CompletionRequest, TopLogprob)
+
+MIN_TEMPERATURE = 1e-2  # below this (and above 0), sampling is numerically unstable: clamp like vLLM
+
+
+def _common(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    if req.logit_bias:
+        raise UnsupportedFeatureError("not supported yet: logit_bias")
+    temperature = 1.0 if req.temperature is None else req.temperature
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
+    return SamplingParams(
+        n=req.n,
+        temperature=temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
+    """SamplingParams for /v1/completions; ``echo`` with ``logprobs`` also asks for prompt logprobs."""
+    if req.suffix:
+        raise UnsupportedFeatureError("not supported yet: suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise UnsupportedFeatureError(f"not supported yet: best_of different from n (best_of={req.best_of}, n={req.n})")
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        prompt_logprobs = req.logprobs if prompt_logprobs is None else max(prompt_logprobs, req.logprobs)
+    return _common(req, req.max_tokens, req.logprobs, prompt_logprobs)
+
+
+def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+    """SamplingParams for /v1/chat/completions (``logprobs: true`` alone means the chosen token only)."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if req.top_logprobs is not None and not (0 <= req.top_logprobs <= 20):
+        raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequestError(f"{param} must be at least 1, got {max_tokens}", param=param)
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return _common(req, max_tokens, logprobs, None)
+
+
+def completion_prompts(prompt) -> list[str | list[int]]:
+    """Normalise /v1/completions' ``prompt``: str | list[str] | list[int] | list[list[int]] → engine prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [list(prompt)]
+    if all(isinstance(p, list) for p in prompt):
+        if any(len(p) == 0 for p in prompt):
+            raise InvalidRequestError("prompt token-id lists must not be empty", param="prompt")
+        return [list(p) for p in prompt]
+    raise InvalidRequestError("prompt must be a string, a list of strings, token ids or lists of token ids",
+                              param="prompt")
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None, param: str) -> None:
+    """Raise InvalidRequestError if a token id is outside [0, vocab_size)."""
+    for t in ids:
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise InvalidRequestError(f"{param} holds token id {t} outside the vocabulary [0, {vocab_size})",
+                                      param=param)
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse strings that cannot be UTF-8 encoded (lone surrogates from JSON escapes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{param} is not valid Unicode text: {exc.reason}", param=param) from None
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """OpenAI chat messages → ``[{"role", "content": str}]`` for the chat template (text parts joined)."""
+    out = []
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text":
+                    raise UnsupportedFeatureError(f"not supported yet: content part of type {part.type!r} "
+                                                  f"(messages.{i}.content.{j})")
+                if part.text is None:
+                    raise InvalidRequestError(f"messages.{i}.content.{j}.text is required for a text part",
+                                              param=f"messages.{i}.content.{j}.text")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        else:
+            content = m.content or ""
+        check_text(content, f"messages.{i}.content")
+        out.append({"role": m.role, "content": content})
+    return out
+
+
+# ------------------------------------------------------------------ logprobs
+
+
+def _chosen(pos: PositionLogprobs, token_id: int) -> Logprob:
+    lp = pos.get(token_id)
+    if lp is None:  # engines always include the chosen token; be robust anyway
+        lp = Logprob(token_id=token_id, logprob=float("-inf"), decoded="")
+    return lp
+
+
+def _top(pos: PositionLogprobs, k: int) -> list[Logprob]:
+    return sorted(pos.values(), key=lambda lp: -lp.logprob)[:k]
+
+
+def _finite(x: float) -> float:
+    return x if x > -1e30 else -9999.0  # JSON has no -inf; OpenAI clients expect a number
+
+
+def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], k: int,
+                        text_offset: int = 0) -> CompletionLogProbs:
+    """OpenAI legacy ``logprobs`` for /v1/completions.
+
+    Args:
+        token_ids: the tokens (prompt tokens for echo, then generated ones).
+        positions: per token, the engine's PositionLogprobs (None for the first prompt token).
+        k: how many top alternatives to list per position (the chosen token is always listed too).
+        text_offset: character offset of the first token in the returned text.
+    """
+    out = CompletionLogProbs()
+    offset = text_offset
+    for tid, pos in zip(token_ids, positions):
+        if pos is None:
+            out.tokens.append("")
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            continue
+        lp = _chosen(pos, tid)
+        out.tokens.append(lp.decoded)
+        out.token_logprobs.append(_finite(lp.logprob))
+        top = {t.decoded: _finite(t.logprob) for t in _top(pos, k)}
+        top.setdefault(lp.decoded, _finite(lp.logprob))
+        out.top_logprobs.append(top)
+        out.text_offset.append(offset)
+        offset += len(lp.decoded)
+    return out
+
+
+def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: int) -> list[ChatTokenLogprob]:
+    """OpenAI chat ``logprobs.content`` entries: chosen token, its logprob and bytes, and the top k."""
+    out = []
+    for tid, pos in zip(token_ids, positions):
+        lp = _chosen(pos, tid)
+        out.append(ChatTokenLogprob(
+            token=lp.decoded, logprob=_finite(lp.logprob), bytes=list(lp.decoded.encode("utf-8", "replace")),
+            top_logprobs=[TopLogprob(token=t.decoded, logprob=_finite(t.logprob),
+                                     bytes=list(t.decoded.encode("utf-8", "replace"))) for t in _top(pos, k)]))
+    return out

@@ -1,0 +1,288 @@
+"""POST /v1/completions and /v1/chat/completions (streaming and not), OpenAI's shapes with vLLM's semantics.
+
+Path of a request: validate body (pydantic) → model name → SamplingParams → admission (429/503) →
+``AsyncEngine.add_many`` (engine refusals come back as 400) → stream SSE chunks or collect the final
+outputs. Leaving early (client gone) closes the engine streams, which aborts the requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..errors import EngineDeadError, InvalidRequestError, UnsupportedFeatureError
+from ..outputs import RequestOutput
+from .async_engine import RequestAborted
+from .convert import (chat_logprobs, chat_messages, chat_sampling_params, check_text, check_token_ids,
+                      completion_logprobs, completion_prompts, completion_sampling_params)
+from .errors import APIError, error_body
+from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
+                       CompletionRequest, CompletionResponse, ErrorResponse, ResponseMessage, UsageInfo, now,
+                       random_id)
+from .streams import merge, sse, unless_disconnected
+
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+router = APIRouter()
+
+
+def _state(request: Request):
+    return request.app.state.kv
+
+
+def _vocab_size(llm) -> int | None:
+    for obj, attr in ((llm, "vocab_size"), (getattr(llm, "tokenizer", None), "vocab_size")):
+        v = getattr(obj, attr, None) if obj is not None else None
+        if isinstance(v, int):
+            return v
+    return None
+
+
+def _check_prompt(state, prompt, param: str = "prompt") -> None:
+    if isinstance(prompt, str):
+        check_text(prompt, param)
+    else:
+        check_token_ids(prompt, _vocab_size(state.llm), param)
+
+
+def _usage(prompt_lens: list[int], completion_tokens: int) -> UsageInfo:
+    p = sum(prompt_lens)
+    return UsageInfo(prompt_tokens=p, completion_tokens=completion_tokens, total_tokens=p + completion_tokens)
+
+
+async def _submit(state, prompts: list, params, cache_salt: str | None, prefix: str):
+    if params.stop:
+        for s in params.stop:
+            check_text(s, "stop")
+    if cache_salt is not None:
+        check_text(cache_salt, "cache_salt")
+    engine = state.admit(len(prompts))
+    rid = random_id(prefix)
+    reqs = [(f"{rid}-{i}", p, dataclasses.replace(params), cache_salt) for i, p in enumerate(prompts)]
+    return rid, await engine.add_many(reqs)
+
+
+def _include_usage(body) -> bool:
+    return bool(body.stream_options is not None and body.stream_options.include_usage)
+
+
+def _abort_error() -> APIError:
+    return APIError(503, "the request was aborted: the server is shutting down", code="aborted")
+
+
+# ------------------------------------------------------------------ /v1/completions
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=ERRORS)
+async def create_completion(body: CompletionRequest, request: Request):
+    """OpenAI Completions; ``max_tokens`` null or absent means up to max_model_len (as vLLM)."""
+    state = _state(request)
+    state.check_model(body.model)
+    state.require_engine()
+    prompts = completion_prompts(body.prompt)
+    for p in prompts:
+        _check_prompt(state, p)
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+    params = completion_sampling_params(body)
+    rid, streams = await _submit(state, prompts, params, body.cache_salt, "cmpl")
+    tok = state.llm.tokenizer
+    prompt_texts = [p if isinstance(p, str) else None for p in prompts]
+
+    def prompt_text(i: int, out: RequestOutput) -> str:
+        if prompt_texts[i] is None:
+            prompt_texts[i] = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+        return prompt_texts[i]
+
+    k = body.logprobs
+    model = state.model_name
+    created = now()
+
+    if body.stream:
+        async def gen():
+            prompt_lens = [0] * len(prompts)
+            gen_tokens: dict[int, int] = {}
+            offsets: dict[int, int] = {}
+            finished: set[int] = set()
+            include_usage = _include_usage(body)
+            try:
+                try:
+                    async for i, out in merge(streams):
+                        prompt_lens[i] = len(out.prompt_token_ids)
+                        for c in out.outputs:
+                            idx = i * body.n + c.index
+                            text, lp = c.delta_text, None
+                            if idx not in offsets:
+                                offsets[idx] = 0
+                                if body.echo:
+                                    text = prompt_text(i, out) + text
+                                    if k is not None and out.prompt_logprobs is not None:
+                                        lp = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, k)
+                            if k is not None and c.delta_logprobs:
+                                new = completion_logprobs(c.delta_token_ids, c.delta_logprobs, k,
+                                                          offsets[idx] + (len(text) - len(c.delta_text)))
+                                lp = new if lp is None else _concat(lp, new)
+                            gen_tokens[idx] = len(c.token_ids)
+                            if not text and c.finish_reason is None and lp is None:
+                                continue
+                            offsets[idx] += len(text)
+                            if c.finish_reason is not None:
+                                finished.add(idx)
+                            choice = CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason,
+                                                      stop_reason=c.stop_reason)
+                            chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                                     "choices": [choice.model_dump()]}
+                            if include_usage:
+                                chunk["usage"] = None
+                            yield sse(chunk)
+                except RequestAborted:
+                    for idx in range(len(prompts) * body.n):
+                        if idx not in finished:
+                            yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                       "choices": [{"index": idx, "text": "", "logprobs": None,
+                                                    "finish_reason": "abort", "stop_reason": None}]})
+                if include_usage:
+                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                               "choices": [], "usage": _usage(prompt_lens, sum(gen_tokens.values())).model_dump()})
+            except EngineDeadError as exc:
+                yield sse(error_body(503, f"the engine stopped: {exc}"))
+            yield sse("[DONE]")
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def collect():
+        finals: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            async for i, out in merge(streams):
+                finals[i] = out
+        except RequestAborted:
+            raise _abort_error() from None
+        choices, completion_tokens = [], 0
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                text = c.text
+                lp = None
+                if body.echo:
+                    text = prompt_text(i, out) + text
+                if k is not None:
+                    if body.echo and out.prompt_logprobs is not None:
+                        lp = _concat(completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, k),
+                                     completion_logprobs(c.token_ids, c.logprobs or [], k,
+                                                         len(prompt_text(i, out))))
+                    else:
+                        lp = completion_logprobs(c.token_ids, c.logprobs or [], k)
+                completion_tokens += len(c.token_ids)
+                choices.append(CompletionChoice(index=i * body.n + c.index, text=text, logprobs=lp,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        resp = CompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                  usage=_usage([len(o.prompt_token_ids) for o in finals], completion_tokens))
+        return JSONResponse(resp.model_dump())
+
+    return await unless_disconnected(request, collect(), streams)
+
+
+def _concat(a, b):
+    a.tokens += b.tokens
+    a.token_logprobs += b.token_logprobs
+    a.top_logprobs += b.top_logprobs
+    a.text_offset += b.text_offset
+    return a
+
+
+# ------------------------------------------------------------------ /v1/chat/completions
+
+
+def render_chat(state, body) -> str:
+    """Apply the model's chat template (InvalidRequestError with the template's message on a bad layout)."""
+    if getattr(body, "continue_final_message", False):
+        raise UnsupportedFeatureError("not supported yet: continue_final_message")
+    if getattr(body, "chat_template_kwargs", None):
+        raise UnsupportedFeatureError("not supported yet: chat_template_kwargs")
+    messages = chat_messages(body.messages)
+    try:
+        return state.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                                       tokenize=False)
+    except InvalidRequestError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and friends: the template refused the layout
+        raise InvalidRequestError(f"chat template error: {exc}", param="messages") from None
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=ERRORS)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+    """OpenAI Chat Completions with the model's chat template."""
+    state = _state(request)
+    state.check_model(body.model)
+    state.require_engine()
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+    params = chat_sampling_params(body)
+    prompt = render_chat(state, body)
+    rid, streams = await _submit(state, [prompt], params, body.cache_salt, "chatcmpl")
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    model = state.model_name
+    created = now()
+
+    if body.stream:
+        async def gen():
+            include_usage = _include_usage(body)
+            prompt_len, gen_tokens, finished = 0, {}, set()
+
+            def chunk(choices, usage=None, with_usage=False):
+                c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": choices}
+                if include_usage or with_usage:
+                    c["usage"] = usage
+                return sse(c)
+
+            try:
+                for idx in range(body.n):
+                    yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+                try:
+                    async for _, out in merge(streams):
+                        prompt_len = len(out.prompt_token_ids)
+                        for c in out.outputs:
+                            gen_tokens[c.index] = len(c.token_ids)
+                            lp = None
+                            if k is not None and c.delta_logprobs:
+                                lp = {"content": [e.model_dump() for e in
+                                                  chat_logprobs(c.delta_token_ids, c.delta_logprobs, k)]}
+                            if not c.delta_text and c.finish_reason is None and lp is None:
+                                continue
+                            delta = {"content": c.delta_text} if c.delta_text else {}
+                            if c.finish_reason is not None:
+                                finished.add(c.index)
+                            yield chunk([{"index": c.index, "delta": delta, "logprobs": lp,
+                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                except RequestAborted:
+                    for idx in range(body.n):
+                        if idx not in finished:
+                            yield chunk([{"index": idx, "delta": {}, "logprobs": None, "finish_reason": "abort"}])
+                if include_usage:
+                    yield chunk([], _usage([prompt_len], sum(gen_tokens.values())).model_dump(), True)
+            except EngineDeadError as exc:
+                yield sse(error_body(503, f"the engine stopped: {exc}"))
+            yield sse("[DONE]")
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def collect():
+        final = None
+        try:
+            async for _, out in merge(streams):
+                final = out
+        except RequestAborted:
+            raise _abort_error() from None
+        choices, completion_tokens = [], 0
+        for c in final.outputs:
+            lp = ChatLogprobs(content=chat_logprobs(c.token_ids, c.logprobs or [], k)) if k is not None else None
+            completion_tokens += len(c.token_ids)
+            choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=c.text), logprobs=lp,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        resp = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                      usage=_usage([len(final.prompt_token_ids)], completion_tokens))
+        return JSONResponse(resp.model_dump())
+
+    return await unless_disconnected(request, collect(), streams)

@@ -1,0 +1,143 @@
+"""What the HTTP handlers share: settings, the engine bridge (None while loading), metrics and drain state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..metrics import ServerMetrics
+from .async_engine import AsyncEngine
+from .drain import Drain
+from .errors import APIError
+
+logger = logging.getLogger("kvfleet.server")
+
+
+@dataclass
+class ServerSettings:
+    """HTTP-layer settings (the engine's live in EngineConfig).
+
+    Attributes:
+        served_model_names: names accepted in the ``model`` field; the first is reported and labels metrics.
+        api_key: when set, /v1/*, /tokenize and /detokenize need ``Authorization: Bearer <api_key>``.
+        max_queue_len: refuse new requests with 429 once this many are waiting (None: unbounded).
+        shutdown_timeout: seconds in-flight requests get to finish after SIGTERM.
+        max_model_len / max_num_batched_tokens: only size the token histograms before the engine is loaded.
+        retry_after_s: value of the Retry-After header on 429/503.
+    """
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_queue_len: int | None = None
+    shutdown_timeout: float = 30.0
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 2048
+    retry_after_s: int = 1
+    root: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class ServerState:
+    """Owns the engine bridge. Created before the model is loaded so /health can answer 503 meanwhile.
+
+    Args:
+        settings: ServerSettings.
+        engine: an already built LLMEngine, or None when ``engine_factory`` builds it at start-up.
+        engine_factory: zero-argument callable returning an LLMEngine (run in a worker thread).
+    """
+
+    def __init__(self, settings: ServerSettings, engine=None, engine_factory: Callable | None = None):
+        self.settings = settings
+        self.model_name = settings.served_model_names[0]
+        self.metrics = ServerMetrics(self.model_name, settings.max_model_len, settings.max_num_batched_tokens)
+        self.drain = Drain()
+        self.llm = None
+        self.engine: AsyncEngine | None = None
+        self._pending_engine = engine
+        self._factory = engine_factory
+        self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[BaseException], None] | None = None
+        self.created = int(time.time())
+        self.load_seconds: float | None = None
+
+    # ------------------------------------------------------------------ lifecycle (asyncio loop)
+
+    async def start(self) -> None:
+        """Attach a given engine now, or load one in a worker thread (the loop keeps answering /health)."""
+        if self._pending_engine is not None:
+            self._attach(self._pending_engine)
+        elif self._factory is not None:
+            t0 = time.monotonic()
+            try:
+                llm = await asyncio.to_thread(self._factory)
+            except BaseException as exc:  # noqa: BLE001 - reported, process exits non-zero
+                logger.exception("loading the engine failed")
+                self.load_error = exc
+                if self.on_load_error is not None:
+                    self.on_load_error(exc)
+                return
+            self.load_seconds = time.monotonic() - t0
+            self._attach(llm)
+
+    def _attach(self, llm) -> None:
+        self.llm = llm
+        cfg = getattr(llm, "config", None)
+        engine = AsyncEngine(llm, self.metrics)
+        engine.start()
+        stats = llm.get_stats()
+        self.metrics.set_scheduler_stats(stats)
+        self.metrics.set_cache_config(
+            block_size=getattr(cfg, "block_size", 0), num_gpu_blocks=stats.num_blocks_total,
+            enable_prefix_caching=getattr(cfg, "enable_prefix_caching", False),
+            gpu_memory_utilization=getattr(cfg, "gpu_memory_utilization", 0.0),
+            kv_cache_dtype=getattr(cfg, "kv_cache_dtype", "auto"))
+        self.engine = engine
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    # ------------------------------------------------------------------ request-time checks
+
+    @property
+    def ready(self) -> bool:
+        """True when a request would be served now (loaded, engine alive, not draining)."""
+        return self.engine is not None and self.engine.is_running and not self.drain.draining
+
+    @property
+    def max_model_len(self) -> int:
+        return int(getattr(self.llm, "max_model_len", self.settings.max_model_len))
+
+    @property
+    def tokenizer(self):
+        self.require_engine()
+        return self.llm.tokenizer
+
+    def require_engine(self) -> AsyncEngine:
+        if self.engine is None:
+            raise APIError(503, "the model is still loading", code="model_loading",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        if not self.engine.is_running:
+            raise APIError(503, f"the engine is not running: {self.engine.dead_error}", code="engine_dead")
+        return self.engine
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.settings.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def admit(self, num_requests: int) -> AsyncEngine:
+        """Admission control for generation: 503 while draining/loading, 429 when the waiting queue is full."""
+        if self.drain.draining:
+            self.metrics.admission_rejected("draining")
+            raise APIError(503, "the server is shutting down and accepts no new requests", code="draining",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        engine = self.require_engine()
+        limit = self.settings.max_queue_len
+        if limit is not None and engine.num_waiting() + num_requests > limit:
+            self.metrics.admission_rejected("queue_full")
+            raise APIError(429, f"the waiting queue is full (--max-queue-len {limit}); retry later",
+                           code="queue_full", headers={"Retry-After": str(self.settings.retry_after_s)})
+        return engine

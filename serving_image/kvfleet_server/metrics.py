@@ -1,0 +1,207 @@
+"""Prometheus metrics with vLLM 0.32's names, types and labels (``model_name``, ``engine``).
+
+Existing vLLM dashboards, alerts, KEDA/HPA rules and the kvfleet operator read these unchanged.
+Each server owns its own ``CollectorRegistry`` (several apps can live in one test process).
+The engine thread feeds it: ``on_step`` after every engine step with that step's ``IterationStats``,
+the fresh ``SchedulerStats`` and the step's ``RequestOutput``s; ``on_abort`` when a request is
+aborted before finishing. All times are seconds (``time.monotonic``); token counts are tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .stats import IterationStats, SchedulerStats
+
+# Bucket edges as vLLM uses them (seconds).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10**exp
+            if v > max_value:
+                return out
+            out.append(v)
+        exp += 1
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    num_generated: int = 0
+
+
+class ServerMetrics:
+    """vLLM-named metrics of one served model.
+
+    Args:
+        model_name: value of the ``model_name`` label (the served model name).
+        max_model_len: upper end of the token-count histograms.
+        max_num_batched_tokens: upper end of ``vllm:iteration_tokens_total``.
+        engine: value of the ``engine`` label (engine index, "0" for a single engine).
+        registry: registry to register in; a fresh one by default.
+    """
+
+    def __init__(self, model_name: str, max_model_len: int = 2048, max_num_batched_tokens: int = 2048,
+                 engine: str = "0", registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self.labels = {"model_name": model_name, "engine": engine}
+        names = list(self.labels)
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, names, registry=r).labels(**self.labels)
+
+        def counter(name, doc):
+            return Counter(name, doc, names, registry=r).labels(**self.labels)
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(**self.labels)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc",
+                                     "KV-cache usage (older name of vllm:kv_cache_usage_perc). 1 means 100 percent.")
+        self.blocks_total = gauge("kvfleet:kv_cache_blocks_total", "KV-cache blocks in the pool.")
+        self.blocks_free = gauge("kvfleet:kv_cache_blocks_free", "KV-cache blocks not held by a live request.")
+
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                        names + ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self._request_success.labels(**self.labels, finished_reason=reason)
+        self._rejections = Counter("vllm:admission_rejections", "Requests refused at admission.",
+                                   names + ["reason"], registry=r)
+        for reason in ("queue_full", "draining"):
+            self._rejections.labels(**self.labels, reason=reason)
+
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds",
+                         "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.tpot_legacy = hist("vllm:time_per_output_token_seconds",
+                                "Histogram of time per output token in seconds (older name).", ITL_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS)
+        self.queue_time = hist("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = hist("vllm:request_prefill_time_seconds",
+                                 "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = hist("vllm:request_decode_time_seconds",
+                                "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max(max_model_len, 1))
+        self.request_prompt_tokens = hist("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                          token_buckets)
+        self.request_generation_tokens = hist("vllm:request_generation_tokens",
+                                              "Number of generation tokens processed.", token_buckets)
+        iter_buckets = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+        iter_buckets = [b for b in iter_buckets if b <= max(max_num_batched_tokens, 1)]
+        self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                     iter_buckets or [1])
+        self._cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                   ["block_size", "num_gpu_blocks", "enable_prefix_caching",
+                                    "gpu_memory_utilization", "kv_cache_dtype", "engine"], registry=r)
+        self._timings: dict[str, _Timing] = {}
+
+    # ------------------------------------------------------------------ producers
+
+    def set_cache_config(self, *, block_size: int, num_gpu_blocks: int, enable_prefix_caching: bool,
+                         gpu_memory_utilization: float, kv_cache_dtype: str) -> None:
+        """Publish the KV-cache configuration as the info gauge (value 1)."""
+        self._cache_config.labels(block_size=str(block_size), num_gpu_blocks=str(num_gpu_blocks),
+                                  enable_prefix_caching=str(bool(enable_prefix_caching)),
+                                  gpu_memory_utilization=str(gpu_memory_utilization),
+                                  kv_cache_dtype=str(kv_cache_dtype), engine=self.labels["engine"]).set(1)
+
+    def set_scheduler_stats(self, stats: SchedulerStats) -> None:
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
+        self.blocks_total.set(stats.num_blocks_total)
+        self.blocks_free.set(stats.num_blocks_free)
+
+    def request_added(self, request_id: str, arrival: float) -> None:
+        self._timings[request_id] = _Timing(arrival=arrival)
+
+    def admission_rejected(self, reason: str) -> None:
+        self._rejections.labels(**self.labels, reason=reason).inc()
+
+    def on_iteration(self, it: IterationStats) -> None:
+        self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.generation_tokens.inc(it.num_generation_tokens)
+        self.num_preemptions.inc(it.num_preemptions)
+        self.prefix_cache_queries.inc(it.prefix_cache_queries)
+        self.prefix_cache_hits.inc(it.prefix_cache_hits)
+        if it.num_tokens:
+            self.iteration_tokens.observe(it.num_tokens)
+
+    def on_output(self, out, now: float | None = None) -> None:
+        """Account one ``RequestOutput`` of a step: first-token, inter-token and, when finished, per-request histograms."""
+        now = time.monotonic() if now is None else now
+        t = self._timings.get(out.request_id)
+        if t is None:
+            return
+        new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)
+        if new_tokens:
+            if t.first_token is None:
+                t.first_token = now
+                self.ttft.observe(now - t.arrival)
+            elif t.last_token is not None:
+                self.itl.observe(now - t.last_token)
+            t.last_token = now
+            t.num_generated += new_tokens
+        if out.finished:
+            self._timings.pop(out.request_id, None)
+            m = out.metrics
+            self.e2e.observe(now - t.arrival)
+            self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+            num_gen = sum(len(c.token_ids) for c in out.outputs)
+            self.request_generation_tokens.observe(num_gen)
+            first_sched = getattr(m, "first_scheduled_time", None) if m is not None else None
+            first_token = t.first_token
+            if first_sched is not None:
+                self.queue_time.observe(max(first_sched - t.arrival, 0.0))
+                if first_token is not None:
+                    self.prefill_time.observe(max(first_token - first_sched, 0.0))
+            if first_token is not None:
+                self.decode_time.observe(max(now - first_token, 0.0))
+                per_seq = max(len(c.token_ids) for c in out.outputs) if out.outputs else 0
+                if per_seq > 1:
+                    tpot = (now - first_token) / (per_seq - 1)
+                    self.tpot.observe(tpot)
+                    self.tpot_legacy.observe(tpot)
+            reasons = {c.finish_reason for c in out.outputs}
+            reason = "abort" if "abort" in reasons else ("length" if "length" in reasons else "stop")
+            self._request_success.labels(**self.labels, finished_reason=reason).inc()
+
+    def on_abort(self, request_id: str) -> None:
+        """The request was aborted (client gone, drain timeout) before it finished."""
+        if self._timings.pop(request_id, None) is not None:
+            self._request_success.labels(**self.labels, finished_reason="abort").inc()
+
+    def render(self) -> bytes:
+        """Prometheus text exposition of this registry."""
+        return generate_latest(self.registry)
