@@ -1,0 +1,363 @@
+"""Pure autoscaling policy: metric samples + history + clock in, a replica decision out (no I/O).
+
+The algorithm is the Kubernetes HorizontalPodAutoscaler's (``pkg/controller/podautoscaler``:
+``desired = ceil(readyReplicas × observed / target)``, a ±10 % tolerance band, a scale-up limit per
+step, stabilization windows over past recommendations), applied to the two numbers operators of
+vLLM-style servers watch, with the known failures of other autoscalers designed out:
+
+* **Two metrics, larger wins.** Mean ``vllm:kv_cache_usage_perc`` over readable pods against
+  ``targetKVCacheUsage``; waiting requests per ready pod against ``targetQueueLength``.
+* **Tolerance.** A metric whose ratio observed/target lies within ``1 ± tolerance`` proposes the
+  current size (no flapping from noise).
+* **Stabilization.** Every recommendation is kept with its timestamp. Scaling up goes to the *lowest*
+  recommendation within ``scaleUpStabilizationSeconds`` (0 = at once); scaling down goes to the
+  *highest* recommendation within ``scaleDownStabilizationSeconds`` (HPA's behaviour). The part of a
+  window that this process has not observed (it restarted, its history is empty) counts as a
+  recommendation of the current size: a restarted controller waits one full window, then still
+  scales a quiet service down.
+* **Step limit.** One step raises the size to at most ``max(2 × current, current + 1)``.
+* **Capacity on the way.** Pods that are starting (not Ready yet, not crashing, younger than
+  ``startupTimeoutSeconds``) will take load once loaded; while any exist, scale-ups are held (GPU
+  pods take minutes to schedule and load weights, and a queue keeps growing meanwhile — scaling up
+  again for the same load is the cascading failure of other autoscalers). Older or crashing pods
+  are neither capacity nor load and block nothing.
+* **Missing data is neither zero nor full.** Pods that are not Ready or whose scrape failed are left
+  out of the means. Scaling up extrapolates the readable pods' mean to all Ready pods; scaling down
+  keeps one replica for every unreadable Ready pod (their load is unknown). When more than half of
+  the Ready pods cannot be read — or none is Ready — the size is held, the hold is recorded in the
+  history (as a recommendation of the current size, so a later scale-down still waits a full window
+  of real data) and the reason is reported.
+* **Bounds.** Recommendations and results are clamped to ``[minReplicas, maxReplicas]``; a size
+  outside the bounds (the user changed them) is corrected at once, even while holding.
+
+Units: seconds for every time and age (``now`` is any monotonic or wall clock, used consistently);
+KV-cache usage is a fraction 0..1; queue lengths are request counts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+DEFAULT_TOLERANCE = 0.1
+
+
+@dataclass(frozen=True)
+class AutoscalingPolicy:
+    """The autoscaling parameters of one InferenceService (``spec.autoscaling`` + the startup timeout).
+
+    Raises ValueError naming the field when a value is out of range.
+    """
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_kv_cache_usage: float = 0.8
+    target_queue_length: float = 5.0
+    scale_up_stabilization_seconds: float = 0.0
+    scale_down_stabilization_seconds: float = 300.0
+    metrics_interval_seconds: float = 15.0
+    startup_timeout_seconds: float = 1800.0
+    tolerance: float = DEFAULT_TOLERANCE
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(
+                f"autoscaling.minReplicas={self.min_replicas}: not supported yet: scale to zero "
+                "(requests arriving at zero replicas would not be buffered); use minReplicas >= 1")
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"autoscaling.maxReplicas={self.max_replicas} must be >= "
+                             f"minReplicas={self.min_replicas}")
+        if not 0.0 < self.target_kv_cache_usage <= 1.0:
+            raise ValueError(f"autoscaling.targetKVCacheUsage={self.target_kv_cache_usage} "
+                             "must be in (0, 1]")
+        if not self.target_queue_length > 0:
+            raise ValueError(f"autoscaling.targetQueueLength={self.target_queue_length} must be > 0")
+        for name, value in (("scaleUpStabilizationSeconds", self.scale_up_stabilization_seconds),
+                            ("scaleDownStabilizationSeconds", self.scale_down_stabilization_seconds),
+                            ("probes.startupTimeoutSeconds", self.startup_timeout_seconds)):
+            if value < 0:
+                raise ValueError(f"autoscaling.{name}={value} must be >= 0"
+                                 if not name.startswith("probes") else f"{name}={value} must be >= 0")
+        if not self.metrics_interval_seconds > 0:
+            raise ValueError(f"autoscaling.metricsIntervalSeconds={self.metrics_interval_seconds} "
+                             "must be > 0")
+        if not 0.0 <= self.tolerance < 1.0:
+            raise ValueError(f"tolerance={self.tolerance} must be in [0, 1)")
+
+    @classmethod
+    def from_spec(cls, spec: Mapping) -> AutoscalingPolicy:
+        """Build from an InferenceService ``spec`` mapping (camelCase, as stored in the API).
+
+        Omitted fields take the CRD defaults; ``maxReplicas`` defaults to ``minReplicas``.
+        """
+        a = spec.get("autoscaling") or {}
+        probes = spec.get("probes") or {}
+        min_r = int(a.get("minReplicas", 1))
+        return cls(
+            min_replicas=min_r,
+            max_replicas=int(a.get("maxReplicas", min_r)),
+            target_kv_cache_usage=float(a.get("targetKVCacheUsage", 0.8)),
+            target_queue_length=float(a.get("targetQueueLength", 5)),
+            scale_up_stabilization_seconds=float(a.get("scaleUpStabilizationSeconds", 0)),
+            scale_down_stabilization_seconds=float(a.get("scaleDownStabilizationSeconds", 300)),
+            metrics_interval_seconds=float(a.get("metricsIntervalSeconds", 15)),
+            startup_timeout_seconds=float(probes.get("startupTimeoutSeconds", 1800)),
+        )
+
+
+@dataclass(frozen=True)
+class PodMetrics:
+    """What one pod's /metrics said. ``None`` fields: the server did not export that metric.
+
+    kv_cache_usage: fraction of KV blocks in use, 0..1 (``vllm:kv_cache_usage_perc``).
+    num_requests_waiting / num_requests_running: request counts (vLLM's gauges of those names).
+    """
+
+    kv_cache_usage: float | None = None
+    num_requests_waiting: float | None = None
+    num_requests_running: float | None = None
+
+
+@dataclass(frozen=True)
+class PodObservation:
+    """One pod of the Deployment at decision time.
+
+    ready: the pod's Ready condition is True.
+    age_seconds: seconds since the pod was created (used for starting pods).
+    crashing: the pod's container restarted or failed (CrashLoopBackOff, Error, phase Failed) — it is
+        neither capacity on the way nor load.
+    metrics: the scrape result for a Ready pod, ``None`` when it failed or was not attempted.
+    """
+
+    name: str
+    ready: bool
+    age_seconds: float = 0.0
+    crashing: bool = False
+    metrics: PodMetrics | None = None
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """A past recommendation: ``replicas`` proposed at time ``at`` (seconds)."""
+
+    at: float
+    replicas: int
+
+
+@dataclass(frozen=True)
+class History:
+    """Recommendations this process has made, oldest first, and when it started observing.
+
+    ``started_at`` None means nothing has been observed yet (fresh start or restart).
+    """
+
+    recommendations: tuple[Recommendation, ...] = ()
+    started_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of one evaluation.
+
+    desired_replicas: the size to apply. current_replicas: the size that was asked for before.
+    changed: desired != current. reason: one line for status/Events, e.g.
+    "kv cache usage 0.93 > target 0.80". holds: why a wanted change was not made (empty if none).
+    recommendation: this evaluation's clamped recommendation before stabilization (None when held
+    for missing data). history: pass it to the next call. Observed figures (None when unknown):
+    kv_cache_usage (mean over readable pods), waiting_per_replica, ready, readable, starting.
+    """
+
+    desired_replicas: int
+    current_replicas: int
+    changed: bool
+    reason: str
+    holds: tuple[str, ...]
+    recommendation: int | None
+    history: History
+    kv_cache_usage: float | None = None
+    waiting_per_replica: float | None = None
+    ready: int = 0
+    readable: int = 0
+    starting: int = 0
+    direction: str = field(default="none")  # "up", "down" or "none"
+
+
+@dataclass(frozen=True)
+class _Proposal:
+    replicas: int
+    ratio: float
+    text: str  # "kv cache usage 0.93" / "waiting requests 7.5/replica"
+    target_text: str  # "0.80" / "5"
+
+
+def _metric_proposal(values: Sequence[float], target: float, ready: int, current: int,
+                     tolerance: float, label: str, fmt: str, target_fmt: str) -> _Proposal | None:
+    """HPA's per-metric formula over the readable pods' values; None when no pod exported it."""
+    if not values:
+        return None
+    readable = len(values)
+    mean = sum(values) / readable
+    ratio = mean / target
+    text = f"{label} {format(mean, fmt)}"
+    target_text = format(target, target_fmt)
+    if abs(ratio - 1.0) <= tolerance:
+        return _Proposal(current, ratio, text, target_text)
+    # A load above the band never proposes fewer replicas than asked for, a load below it never
+    # more (keeps the recommendation monotone in load when Ready != asked-for replicas).
+    if ratio > 1.0:
+        # Unreadable Ready pods are assumed to carry the readable pods' mean load.
+        return _Proposal(max(current, math.ceil(ready * ratio - 1e-9)), ratio, text, target_text)
+    # Scaling down: the readable pods' load needs ceil(readable × ratio) replicas; every
+    # unreadable Ready pod keeps its replica (its load is unknown, never assumed zero).
+    n = math.ceil(readable * ratio - 1e-9) + (ready - readable)
+    return _Proposal(min(current, n), ratio, text, target_text)
+
+
+def _clamp(n: int, policy: AutoscalingPolicy) -> int:
+    return max(policy.min_replicas, min(policy.max_replicas, n))
+
+
+def _window_values(history: History, now: float, window: float) -> list[int]:
+    return [r.replicas for r in history.recommendations if r.at > now - window]
+
+
+def _prune(recs: Sequence[Recommendation], now: float, keep: float) -> tuple[Recommendation, ...]:
+    return tuple(r for r in recs if r.at > now - keep)
+
+
+def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodObservation],
+           history: History, now: float) -> Decision:
+    """Decide the replica count of one InferenceService.
+
+    Args:
+        policy: the object's autoscaling parameters.
+        current_replicas: the Deployment's ``spec.replicas`` (what was last asked for), >= 0.
+        pods: every pod of the Deployment that is not terminating.
+        history: the previous Decision's ``history`` (``History()`` after a start).
+        now: the current time in seconds (same clock as the history).
+
+    Returns a Decision; see the module docstring for the rules. Raises ValueError when
+    current_replicas is negative.
+    """
+    if current_replicas < 0:
+        raise ValueError(f"current_replicas={current_replicas} must be >= 0")
+    started_at = history.started_at if history.started_at is not None else now
+    keep = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
+
+    ready_pods = [p for p in pods if p.ready]
+    starting = [p for p in pods if not p.ready and not p.crashing
+                and p.age_seconds <= policy.startup_timeout_seconds]
+    readable = [p.metrics for p in ready_pods if p.metrics is not None]
+    n_ready, n_readable = len(ready_pods), len(readable)
+
+    kv_values = [m.kv_cache_usage for m in readable if m.kv_cache_usage is not None]
+    wait_values = [m.num_requests_waiting for m in readable if m.num_requests_waiting is not None]
+    kv_mean = sum(kv_values) / len(kv_values) if kv_values else None
+    wait_mean = sum(wait_values) / len(wait_values) if wait_values else None
+    observed = dict(kv_cache_usage=kv_mean, waiting_per_replica=wait_mean, ready=n_ready,
+                    readable=n_readable, starting=len(starting))
+
+    def finish(desired: int, reason: str, holds: tuple[str, ...], rec: int | None,
+               recs: tuple[Recommendation, ...]) -> Decision:
+        direction = "up" if desired > current_replicas else "down" if desired < current_replicas else "none"
+        return Decision(desired_replicas=desired, current_replicas=current_replicas,
+                        changed=desired != current_replicas, reason=reason, holds=holds,
+                        recommendation=rec,
+                        history=History(_prune(recs, now, keep), started_at),
+                        direction=direction, **observed)
+
+    # --- Not enough data: hold (but always honour the bounds). -------------------------------
+    hold_why = None
+    if n_ready == 0:
+        hold_why = "no Ready pods to measure"
+    elif n_ready - n_readable > n_ready / 2:
+        hold_why = f"metrics of {n_ready - n_readable} of {n_ready} Ready pods unreadable"
+    elif not kv_values and not wait_values:
+        hold_why = "pods export neither vllm:kv_cache_usage_perc nor vllm:num_requests_waiting"
+    if hold_why is not None:
+        recs = history.recommendations + (Recommendation(now, _clamp(current_replicas, policy)),)
+        desired = _clamp(current_replicas, policy)
+        if desired != current_replicas:
+            reason = (f"replicas {current_replicas} outside [{policy.min_replicas}, "
+                      f"{policy.max_replicas}]; holding otherwise: {hold_why}")
+        else:
+            reason = f"holding at {current_replicas}: {hold_why}"
+        return finish(desired, reason, (hold_why,), None, recs)
+
+    # --- Per-metric proposals (HPA formula), larger wins. ------------------------------------
+    proposals = [p for p in (
+        _metric_proposal(kv_values, policy.target_kv_cache_usage, n_ready, current_replicas,
+                         policy.tolerance, "kv cache usage", ".2f", ".2f"),
+        _metric_proposal(wait_values, policy.target_queue_length, n_ready, current_replicas,
+                         policy.tolerance, "waiting requests", ".1f", "g"),
+    ) if p is not None]
+    # Wins: the largest proposal; on equal proposals, the metric further from its target.
+    winner = max(proposals, key=lambda p: (p.replicas, abs(p.ratio - 1.0)))
+    rec = _clamp(winner.replicas, policy)
+    if winner.text.startswith("waiting"):
+        winner_text = winner.text + "/replica"
+    else:
+        winner_text = winner.text
+    recs = history.recommendations + (Recommendation(now, rec),)
+
+    # --- Stabilization windows; the unobserved part of a window counts as the current size. ----
+    up_window = policy.scale_up_stabilization_seconds
+    down_window = policy.scale_down_stabilization_seconds
+    up_vals = _window_values(history, now, up_window) + [rec]
+    down_vals = _window_values(history, now, down_window) + [rec]
+    if now - started_at < up_window:
+        up_vals.append(current_replicas)
+    if now - started_at < down_window:
+        down_vals.append(current_replicas)
+    up_target, down_target = min(up_vals), max(down_vals)
+
+    holds: list[str] = []
+    if up_target > current_replicas:
+        desired = up_target
+    elif down_target < current_replicas:
+        desired = down_target
+    else:
+        desired = current_replicas
+        if rec > current_replicas:
+            holds.append(f"scale-up to {rec} waits for the {up_window:g}s scale-up window")
+        elif rec < current_replicas:
+            holds.append(f"scale-down to {rec} waits for the {down_window:g}s scale-down window "
+                         f"(highest recent recommendation {down_target})")
+
+    # --- Scale-up step limit, and capacity on the way. ---------------------------------------
+    if desired > current_replicas:
+        limit = max(2 * current_replicas, current_replicas + 1)
+        if desired > limit:
+            holds.append(f"scale-up limited to {limit} this step (wanted {desired})")
+            desired = limit
+        if starting:
+            holds.append(f"scale-up to {desired} held: {len(starting)} replica(s) starting "
+                         "(capacity on the way)")
+            desired = current_replicas
+
+    desired_clamped = _clamp(desired, policy)
+    if desired_clamped != desired:
+        holds.append(f"clamped to [{policy.min_replicas}, {policy.max_replicas}]")
+        desired = desired_clamped
+
+    # --- The reason line. ------------------------------------------------------------------
+    if desired > current_replicas:
+        if winner.ratio > 1.0:
+            reason = f"{winner_text} > target {winner.target_text}"
+        else:
+            reason = f"raised to minReplicas {policy.min_replicas}"
+    elif desired < current_replicas:
+        if current_replicas > policy.max_replicas and desired == policy.max_replicas:
+            reason = f"lowered to maxReplicas {policy.max_replicas}"
+        else:
+            parts = [f"{p.text}{'/replica' if p.text.startswith('waiting') else ''} "
+                     f"< target {p.target_text}" for p in proposals]
+            reason = " and ".join(parts) + (f" for {down_window:g}s" if down_window else "")
+    else:
+        parts = [f"{p.text}{'/replica' if p.text.startswith('waiting') else ''} "
+                 f"(target {p.target_text})" for p in proposals]
+        reason = f"steady at {current_replicas}: " + ", ".join(parts)
+        if holds:
+            reason += "; " + "; ".join(holds)
+    return finish(desired, reason, tuple(holds), rec, recs)
