@@ -89,20 +89,23 @@ class AutoscalingPolicy:
     def from_spec(cls, spec: Mapping) -> AutoscalingPolicy:
         """Build from an InferenceService ``spec`` mapping (camelCase, as stored in the API).
 
-        Omitted fields take the CRD defaults; ``maxReplicas`` defaults to ``minReplicas``.
+        Defaults and bounds are those of ``kvfleet_operator.api`` (the CRD's source); an omitted
+        ``maxReplicas`` means ``minReplicas``. Raises ValueError (pydantic's, naming the field) on
+        values the schema refuses.
         """
-        a = spec.get("autoscaling") or {}
-        probes = spec.get("probes") or {}
-        min_r = int(a.get("minReplicas", 1))
+        from . import api  # pydantic models: the single source of the defaults
+
+        a = api.Autoscaling.model_validate(spec.get("autoscaling") or {})
+        probes = api.Probes.model_validate(spec.get("probes") or {})
         return cls(
-            min_replicas=min_r,
-            max_replicas=int(a.get("maxReplicas", min_r)),
-            target_kv_cache_usage=float(a.get("targetKVCacheUsage", 0.8)),
-            target_queue_length=float(a.get("targetQueueLength", 5)),
-            scale_up_stabilization_seconds=float(a.get("scaleUpStabilizationSeconds", 0)),
-            scale_down_stabilization_seconds=float(a.get("scaleDownStabilizationSeconds", 300)),
-            metrics_interval_seconds=float(a.get("metricsIntervalSeconds", 15)),
-            startup_timeout_seconds=float(probes.get("startupTimeoutSeconds", 1800)),
+            min_replicas=a.min_replicas,
+            max_replicas=a.max_replicas if a.max_replicas is not None else a.min_replicas,
+            target_kv_cache_usage=a.target_kv_cache_usage,
+            target_queue_length=a.target_queue_length,
+            scale_up_stabilization_seconds=a.scale_up_stabilization_seconds,
+            scale_down_stabilization_seconds=a.scale_down_stabilization_seconds,
+            metrics_interval_seconds=a.metrics_interval_seconds,
+            startup_timeout_seconds=probes.startup_timeout_seconds,
         )
 
 
