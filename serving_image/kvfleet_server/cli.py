@@ -114,8 +114,9 @@ def engine_config(args: argparse.Namespace):
     """EngineConfig from the parsed flags (raises UnsupportedFeatureError / ValueError on bad values)."""
     from .config import EngineConfig
 
-    kwargs = {name: getattr(args, name) for name in ENGINE_FIELDS}
-    kwargs["served_model_name"] = (args.served_model_name or [args.model])[0]
+    kwargs = {name: getattr(args, name) for name in ENGINE_FIELDS if getattr(args, name) is not None}
+    if args.served_model_name:
+        kwargs["served_model_name"] = args.served_model_name[0]
     return EngineConfig(**kwargs)
 
 
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from .api import ServerSettings, ServerState, build_app
 
     settings = ServerSettings(
-        served_model_names=args.served_model_name or [args.model], api_key=args.api_key,
+        served_model_names=args.served_model_name or [config.resolved_served_name()], api_key=args.api_key,
         max_queue_len=args.max_queue_len, shutdown_timeout=args.shutdown_timeout,
         max_model_len=args.max_model_len or 2048, max_num_batched_tokens=args.max_num_batched_tokens or 2048,
         root=args.model)

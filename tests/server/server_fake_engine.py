@@ -8,6 +8,7 @@ simplest way. Real-engine behaviour is covered by the subprocess tests.
 from __future__ import annotations
 
 import math
+import time
 
 from kvfleet_server.errors import InvalidRequestError, PromptTooLongError
 from kvfleet_server.outputs import CompletionOutput, Logprob, RequestOutput
@@ -34,7 +35,8 @@ class ByteTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, max_model_len=256, max_num_seqs=4, num_blocks=32, block_size=16):
+    def __init__(self, max_model_len=256, max_num_seqs=4, num_blocks=32, block_size=16, step_delay=0.0):
+        self.step_delay = step_delay
         self.tokenizer = ByteTokenizer()
         self.max_model_len = max_model_len
         self.model_name = "fake"
@@ -76,6 +78,8 @@ class FakeEngine:
                               num_blocks_free=self.num_blocks - used)
 
     def step(self):
+        if self.step_delay:
+            time.sleep(self.step_delay)
         it = IterationStats()
         while self.waiting and len(self.running) < self.max_num_seqs:
             r = self.waiting.pop(0)

