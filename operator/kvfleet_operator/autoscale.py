@@ -184,6 +184,10 @@ class Decision:
     readable: int = 0
     starting: int = 0
     direction: str = field(default="none")  # "up", "down" or "none"
+    # CamelCase reason for status/Events: KVCacheUsageHigh, QueueLengthHigh, LoadLow, WithinTarget,
+    # ReplicasStarting, ScaleUpStabilizing, ScaleDownStabilizing, MetricsUnavailable,
+    # BelowMinReplicas, AboveMaxReplicas.
+    code: str = "WithinTarget"
 
 
 @dataclass(frozen=True)
@@ -262,13 +266,13 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
                     readable=n_readable, starting=len(starting))
 
     def finish(desired: int, reason: str, holds: tuple[str, ...], rec: int | None,
-               recs: tuple[Recommendation, ...]) -> Decision:
+               recs: tuple[Recommendation, ...], code: str) -> Decision:
         direction = "up" if desired > current_replicas else "down" if desired < current_replicas else "none"
         return Decision(desired_replicas=desired, current_replicas=current_replicas,
                         changed=desired != current_replicas, reason=reason, holds=holds,
                         recommendation=rec,
                         history=History(_prune(recs, now, keep), started_at),
-                        direction=direction, **observed)
+                        direction=direction, code=code, **observed)
 
     # --- Not enough data: hold (but always honour the bounds). -------------------------------
     hold_why = None
@@ -284,9 +288,11 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
         if desired != current_replicas:
             reason = (f"replicas {current_replicas} outside [{policy.min_replicas}, "
                       f"{policy.max_replicas}]; holding otherwise: {hold_why}")
+            code = "BelowMinReplicas" if desired > current_replicas else "AboveMaxReplicas"
         else:
             reason = f"holding at {current_replicas}: {hold_why}"
-        return finish(desired, reason, (hold_why,), None, recs)
+            code = "MetricsUnavailable"
+        return finish(desired, reason, (hold_why,), None, recs, code)
 
     # --- Per-metric proposals (HPA formula), larger wins. ------------------------------------
     proposals = [p for p in (
@@ -348,12 +354,16 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
     if desired > current_replicas:
         if winner.ratio > 1.0:
             reason = f"{winner_text} > target {winner.target_text}"
+            code = "KVCacheUsageHigh" if winner.text.startswith("kv") else "QueueLengthHigh"
         else:
             reason = f"raised to minReplicas {policy.min_replicas}"
+            code = "BelowMinReplicas"
     elif desired < current_replicas:
         if current_replicas > policy.max_replicas and desired == policy.max_replicas:
             reason = f"lowered to maxReplicas {policy.max_replicas}"
+            code = "AboveMaxReplicas"
         else:
+            code = "LoadLow"
             parts = [f"{p.text}{'/replica' if p.text.startswith('waiting') else ''} "
                      f"< target {p.target_text}" for p in proposals]
             reason = " and ".join(parts) + (f" for {down_window:g}s" if down_window else "")
@@ -363,4 +373,8 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
         reason = f"steady at {current_replicas}: " + ", ".join(parts)
         if holds:
             reason += "; " + "; ".join(holds)
-    return finish(desired, reason, tuple(holds), rec, recs)
+        last = holds[-1] if holds else ""
+        code = ("ReplicasStarting" if "capacity on the way" in last
+                else "ScaleUpStabilizing" if "scale-up window" in last
+                else "ScaleDownStabilizing" if "scale-down window" in last else "WithinTarget")
+    return finish(desired, reason, tuple(holds), rec, recs, code)

@@ -1,0 +1,214 @@
+"""kopf handlers: thin glue around read -> render -> apply -> status.
+
+Triggers: an InferenceService is created, its spec/metadata changes, or the operator (re)starts
+(resume); an owned Deployment/Service/PodDisruptionBudget changes or is deleted (the event names
+its controller InferenceService, which is then reconciled). One pass (``reconcile``):
+
+1. parse and render the spec (pure); a spec that cannot be realised -> status Degraded=True with
+   reason and message, no child touched, ``kopf.PermanentError`` (no retry until the spec changes);
+2. read the live children; one that exists but is not controlled by this InferenceService is a
+   conflict (Degraded, permanent) — the operator never adopts objects it did not create;
+3. create or three-way merge-patch each child (``apply``), delete the PDB when no longer wanted;
+4. write the status subresource only when it changed.
+
+API errors raise ``kopf.TemporaryError`` with exponential backoff (1, 2, 4 … 60 s). The
+InferenceService's spec and user metadata are never written; kopf's own state lives in
+annotations with the ``kopf.serving.kvfleet.dev`` prefix (survives structural-schema pruning).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import kopf
+
+from . import api, apply, kube, metrics, render
+from . import status as st
+
+KOPF_PREFIX = "kopf.serving.kvfleet.dev"
+FINALIZER = "serving.kvfleet.dev/kopf-finalizer"
+CHILD_FILTER = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
+CHILDREN = (("deployment", "apps/v1", "deployments"), ("service", "v1", "services"),
+            ("pdb", "policy/v1", "poddisruptionbudgets"))
+_locks: dict[tuple[int, str, str], asyncio.Lock] = {}
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """kopf settings the operator relies on (also applied by tests)."""
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=KOPF_PREFIX, key="last-handled-configuration")
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.level = logging.WARNING  # Kubernetes Events only for warnings and errors
+    settings.posting.reporting_component = "kvfleet-operator"
+    settings.execution.max_workers = 4
+
+
+@kopf.on.startup()
+def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+    configure(settings)
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster service account, else KUBECONFIG (~/.kube/config)."""
+    return kube.login(**kwargs)
+
+
+@kopf.on.cleanup()
+async def cleanup(**_: Any) -> None:
+    await kube.close_client()
+
+
+def _lock(namespace: str, name: str) -> asyncio.Lock:
+    key = (id(asyncio.get_running_loop()), namespace, name)
+    if key not in _locks:
+        _locks[key] = asyncio.Lock()
+    return _locks[key]
+
+
+class Degraded(Exception):
+    """Raised by ``reconcile`` after it reported Degraded=True (the reason is in the status)."""
+
+
+async def reconcile(obj: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
+    """One reconcile pass of InferenceService ``obj``; returns the status patch written ({} if none).
+
+    Raises Degraded (spec unrealisable or child conflict, already reported) or kube.ApiError."""
+    meta = obj["metadata"]
+    namespace, name = meta.get("namespace") or "default", meta["name"]
+    client = kube.get_client()
+    started = time.monotonic()
+    async with _lock(namespace, name):
+        try:
+            written = await _reconcile(client, obj, namespace, name, logger)
+            metrics.RECONCILES.labels(result="success").inc()
+            return written
+        except render.Unrealisable as exc:
+            metrics.RECONCILES.labels(result="degraded").inc()
+            logger.error(f"Degraded ({exc.reason}): {exc.message}")
+            await _write_status(client, obj, st.degraded_status(obj, exc.reason, exc.message, st.now_rfc3339()))
+            raise Degraded(f"{exc.reason}: {exc.message}") from None
+        except kube.ApiError as exc:
+            metrics.RECONCILES.labels(result="error").inc()
+            metrics.ERRORS.labels(reason=exc.reason).inc()
+            raise
+        finally:
+            metrics.DURATION.observe(time.monotonic() - started)
+
+
+async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: str, name: str,
+                     logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
+    spec = render.parse_spec(obj)
+    render.render(obj)  # surfaces Unrealisable before any request
+    uid = obj["metadata"].get("uid")
+    live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
+    for kind, body in live.items():
+        if body is not None and not apply.controlled_by(body, uid):
+            raise render.Unrealisable(
+                "ChildConflict", f"{body.get('kind', kind)} {namespace}/{name} exists and is not controlled by "
+                                 f"this InferenceService; delete or rename it")
+    live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \
+        if spec.autoscaling.enabled else None
+    replicas = render.desired_replicas(spec, live_replicas, (obj.get("status") or {}).get("desiredReplicas"))
+    children = render.render(obj, replicas)
+    desired = {"deployment": children.deployment, "service": children.service, "pdb": children.pdb}
+    result: dict[str, Any] = {}
+    for kind, av, plural in CHILDREN:
+        want, have = desired[kind], live[kind]
+        if want is None:
+            if have is not None:
+                logger.info(f"Deleting {kind} {namespace}/{name} (no longer wanted)")
+                await client.delete(av, plural, namespace, name)
+                metrics.CHILD_WRITES.labels(kind=kind, action="delete").inc()
+            continue
+        action, body = apply.plan(want, have)
+        if action == "create":
+            logger.info(f"Creating {kind} {namespace}/{name}")
+            result[kind] = await client.create(av, plural, namespace, body)
+        elif action == "patch":
+            logger.info(f"Patching {kind} {namespace}/{name}: {sorted(body)}")
+            result[kind] = await client.patch(av, plural, namespace, name, body)
+        else:
+            result[kind] = have
+        if action != "noop":
+            metrics.CHILD_WRITES.labels(kind=kind, action=action).inc()
+    new = st.compute_status(obj, result["deployment"], replicas,
+                            render.service_url(name, namespace, spec.service.port), spec.served_model_name,
+                            render.selector_string(name), st.now_rfc3339(), spec.autoscaling.enabled)
+    return await _write_status(client, obj, new)
+
+
+async def _write_status(client: kube.KubeClient, obj: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    patch = st.status_patch(obj.get("status"), new)
+    if patch:
+        meta = obj["metadata"]
+        await client.patch(api.API_VERSION, api.PLURAL, meta.get("namespace"), meta["name"], {"status": patch},
+                           subresource="status")
+    return patch
+
+
+def _backoff(retry: int) -> float:
+    return float(min(60, 2 ** retry))
+
+
+@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL, id="reconcile")
+@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL, id="reconcile")
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, id="reconcile")
+async def reconcile_handler(body: kopf.Body, retry: int, logger: logging.Logger, **_: Any) -> None:
+    """Reconcile on create / update / resume; permanent failure for unrealisable specs."""
+    try:
+        await reconcile(_plain(body), logger)
+    except Degraded as exc:
+        raise kopf.PermanentError(str(exc)) from None
+    except kube.ApiError as exc:
+        raise kopf.TemporaryError(f"API error, retrying: {exc}", delay=_backoff(retry)) from None
+
+
+def _plain(body: Any) -> dict[str, Any]:
+    import copy
+    return copy.deepcopy(dict(body))
+
+
+def _owner_name(body: kopf.Body) -> str | None:
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == api.KIND and ref.get("apiVersion", "").startswith(api.GROUP):
+            return ref.get("name")
+    return None
+
+
+async def _child_event(body: kopf.Body, logger: logging.Logger) -> None:
+    owner = _owner_name(body)
+    namespace = body.get("metadata", {}).get("namespace")
+    if owner is None:
+        return
+    client = kube.get_client()
+    try:
+        obj = await client.get(api.API_VERSION, api.PLURAL, namespace, owner)
+        if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
+            return  # the owner is going away; the garbage collector removes the children
+        await reconcile(obj, logger)
+    except Degraded:
+        pass  # reported in the owner's status; kopf's handler waits for a spec change
+    except kube.ApiError as exc:
+        logger.warning(f"reconcile of {namespace}/{owner} after a child change failed: {exc}")
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)
+async def deployment_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """An owned Deployment changed (rollout progress, edits, deletion): reconcile its owner."""
+    await _child_event(body, logger)
+
+
+@kopf.on.event("", "v1", "services", labels=CHILD_FILTER)
+async def service_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """An owned Service changed or was deleted: reconcile its owner."""
+    await _child_event(body, logger)
+
+
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_FILTER)
+async def pdb_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """An owned PodDisruptionBudget changed or was deleted: reconcile its owner."""
+    await _child_event(body, logger)

@@ -1,0 +1,211 @@
+"""A small async Kubernetes REST client (aiohttp) for the reconcile and the autoscaler.
+
+Objects are plain dicts (no typed models), patches are JSON merge patches. Credentials are those
+the operator's kopf login handler found (``set_credentials``), or found the same way on first use:
+the in-cluster service account, else KUBECONFIG / ~/.kube/config. A 401 re-reads them once (bound
+service-account tokens rotate). Errors raise ``ApiError`` with the API's status code and message.
+
+Usage::
+
+    client = kube.get_client()
+    dep = await client.get("apps/v1", "deployments", "ns", "name")      # None when absent
+    pods = await client.list("v1", "pods", "ns", label_selector="a=b")
+    await client.patch("apps/v1", "deployments", "ns", "name", {"spec": {"replicas": 3}})
+    await client.patch(API_VERSION, "inferenceservices", "ns", "name", {"status": {...}}, subresource="status")
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import ssl
+import tempfile
+from typing import Any
+
+import aiohttp
+import kopf
+
+_credentials: kopf.ConnectionInfo | None = None
+_clients: dict[int, "KubeClient"] = {}
+
+
+class ApiError(Exception):
+    """An API request failed: ``status`` (HTTP code), ``reason`` and ``message`` from the Status body."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(f"{status} {reason}: {message}")
+        self.status, self.reason, self.message = status, reason, message
+
+
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """Credentials as users expect them: in-cluster service account, else kubeconfig."""
+    kwargs.setdefault("settings", kopf.OperatorSettings())
+    kwargs.setdefault("logger", None)
+    info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    set_credentials(info)
+    return info
+
+
+def set_credentials(info: kopf.ConnectionInfo | None) -> None:
+    """Remember the credentials for clients created later (and refresh existing ones)."""
+    global _credentials
+    _credentials = info
+    for client in _clients.values():
+        client.info = info
+
+
+def get_client() -> "KubeClient":
+    """The client of the running event loop (one aiohttp session per loop)."""
+    loop = asyncio.get_running_loop()
+    client = _clients.get(id(loop))
+    if client is None or client.loop is not loop:
+        client = _clients[id(loop)] = KubeClient(_credentials)
+    return client
+
+
+async def close_client() -> None:
+    """Close the running loop's client (operator cleanup)."""
+    client = _clients.pop(id(asyncio.get_running_loop()), None)
+    if client is not None:
+        await client.close()
+
+
+def resource_path(api_version: str, plural: str, namespace: str | None, name: str | None = None,
+                  subresource: str | None = None) -> str:
+    """REST path, e.g. ('apps/v1', 'deployments', 'ns', 'x') -> /apis/apps/v1/namespaces/ns/deployments/x."""
+    path = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    if namespace:
+        path += f"/namespaces/{namespace}"
+    path += f"/{plural}"
+    if name:
+        path += f"/{name}"
+    if subresource:
+        path += f"/{subresource}"
+    return path
+
+
+class KubeClient:
+    """Async JSON client of the Kubernetes API."""
+
+    def __init__(self, info: kopf.ConnectionInfo | None, timeout_s: float = 30.0):
+        self.info = info
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.loop = asyncio.get_running_loop()
+        self._session: aiohttp.ClientSession | None = None
+        self._tmp: list[str] = []
+
+    def _ssl(self) -> ssl.SSLContext | bool:
+        info = self.info
+        assert info is not None
+        if not info.server.startswith("https"):
+            return False
+        if info.insecure:
+            return False
+        ca = info.ca_data
+        if isinstance(ca, (bytes, str)) and not (ca.decode() if isinstance(ca, bytes) else ca).lstrip().startswith("-----"):
+            ca = base64.b64decode(ca)
+        ctx = ssl.create_default_context(cafile=os.fspath(info.ca_path) if info.ca_path else None,
+                                         cadata=(ca.decode() if isinstance(ca, bytes) else ca) if ca else None)
+        cert, key = info.certificate_path, info.private_key_path
+        if info.certificate_data:
+            cert = self._tempfile(info.certificate_data)
+        if info.private_key_data:
+            key = self._tempfile(info.private_key_data)
+        if cert:
+            ctx.load_cert_chain(os.fspath(cert), os.fspath(key) if key else None)
+        return ctx
+
+    def _tempfile(self, data: str | bytes) -> str:
+        raw = data.encode() if isinstance(data, str) else data
+        if not raw.lstrip().startswith(b"-----"):
+            raw = base64.b64decode(raw)
+        fd, path = tempfile.mkstemp(prefix="kvfleet-kube-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        self._tmp.append(path)
+        return path
+
+    def _headers(self) -> dict[str, str]:
+        info = self.info
+        assert info is not None
+        if info.token:
+            return {"Authorization": f"{info.scheme or 'Bearer'} {info.token}"}
+        if info.username and info.password:
+            basic = base64.b64encode(f"{info.username}:{info.password}".encode()).decode()
+            return {"Authorization": f"Basic {basic}"}
+        return {}
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        for path in self._tmp:
+            os.unlink(path)
+        self._tmp.clear()
+
+    async def request(self, method: str, path: str, *, params: dict[str, str] | None = None,
+                      body: Any = None, content_type: str = "application/json", _retry: bool = True) -> Any:
+        """One API call; returns the decoded JSON body. Raises ApiError."""
+        if self.info is None:
+            login()
+            self.info = _credentials
+        if self.info is None:
+            raise ApiError(401, "NoCredentials", "no in-cluster service account and no kubeconfig found")
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._ssl()),
+                                                  timeout=self.timeout)
+        headers = {**self._headers(), "Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        try:
+            async with self._session.request(method, self.info.server.rstrip("/") + path, params=params,
+                                             data=None if body is None else json.dumps(body),
+                                             headers=headers) as rsp:
+                data = await rsp.json(content_type=None) if rsp.content_length != 0 else None
+                status = rsp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise ApiError(503, type(exc).__name__, str(exc) or "connection failed") from exc
+        if status == 401 and _retry:
+            login()
+            self.info = _credentials
+            return await self.request(method, path, params=params, body=body, content_type=content_type,
+                                      _retry=False)
+        if status >= 400:
+            data = data if isinstance(data, dict) else {}
+            raise ApiError(status, data.get("reason") or "Error", data.get("message") or f"HTTP {status}")
+        return data
+
+    async def get(self, api_version: str, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        try:
+            return await self.request("GET", resource_path(api_version, plural, namespace, name))
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list(self, api_version: str, plural: str, namespace: str | None,
+                   label_selector: str | None = None) -> list[dict[str, Any]]:
+        """Items of a list call (label_selector in the API's syntax, e.g. 'a=b,c=d')."""
+        params = {"labelSelector": label_selector} if label_selector else None
+        data = await self.request("GET", resource_path(api_version, plural, namespace), params=params)
+        return list((data or {}).get("items") or [])
+
+    async def create(self, api_version: str, plural: str, namespace: str | None, body: dict[str, Any]) -> dict[str, Any]:
+        """POST a new object; returns it as stored."""
+        return await self.request("POST", resource_path(api_version, plural, namespace), body=body)
+
+    async def patch(self, api_version: str, plural: str, namespace: str | None, name: str, patch: dict[str, Any],
+                    subresource: str | None = None) -> dict[str, Any]:
+        """JSON merge patch (RFC 7386) of an object or of its status/scale subresource."""
+        return await self.request("PATCH", resource_path(api_version, plural, namespace, name, subresource),
+                                  body=patch, content_type="application/merge-patch+json")
+
+    async def delete(self, api_version: str, plural: str, namespace: str | None, name: str) -> None:
+        """DELETE the object (absent is fine)."""
+        try:
+            await self.request("DELETE", resource_path(api_version, plural, namespace, name))
+        except ApiError as exc:
+            if exc.status != 404:
+                raise

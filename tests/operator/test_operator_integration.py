@@ -1,0 +1,230 @@
+"""Integration: the real kopf runtime (KopfRunner) against KMock's API-server emulator on 127.0.0.1."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from kmock_support import ISVC, running_operator, wait_for
+from kvfleet_operator import api as isvc_api
+
+SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
+AV, PL = isvc_api.API_VERSION, isvc_api.PLURAL
+
+
+def sample(name: str, namespace: str = "default") -> dict:
+    obj = yaml.safe_load((SAMPLES / name).read_text())
+    obj["metadata"]["namespace"] = namespace
+    return obj
+
+
+def cond(obj: dict | None, type_: str) -> dict:
+    return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+async def test_sample_creates_children_and_status(api, emulator):
+    obj = sample("llama-3.3-70b-instruct-fp8-tp4.yaml")
+    name = obj["metadata"]["name"]
+    async with running_operator():
+        created = await api.create(AV, PL, "default", obj)
+        dep = await wait_for(lambda: api.get("apps/v1", "deployments", "default", name))
+        svc = await wait_for(lambda: api.get("v1", "services", "default", name))
+        pdb = await wait_for(lambda: api.get("policy/v1", "poddisruptionbudgets", "default", name))
+        for child in (dep, svc, pdb):
+            (ref,) = child["metadata"]["ownerReferences"]
+            assert ref["uid"] == created["metadata"]["uid"] and ref["controller"] is True
+            assert ref["kind"] == "InferenceService" and ref["name"] == name
+        container = dep["spec"]["template"]["spec"]["containers"][0]
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        assert dep["spec"]["replicas"] == 2
+        live = await wait_for(lambda: api.get(AV, PL, "default", name))
+        live = await wait_for(lambda: _with_status(api, name))
+        assert live["status"]["url"] == f"http://{name}.default.svc:8000/v1"
+        assert live["status"]["model"] == "meta-llama/Llama-3.3-70B-Instruct"
+        assert live["status"]["observedGeneration"] == live["metadata"]["generation"] == 1
+        assert cond(live, "Ready")["status"] == "False" and cond(live, "Progressing")["status"] == "True"
+
+        # the Deployment controller reports the pods ready -> Ready=True
+        await api.patch("apps/v1", "deployments", "default", name,
+                        {"status": {"observedGeneration": dep["metadata"]["generation"], "replicas": 2,
+                                    "updatedReplicas": 2, "readyReplicas": 2, "availableReplicas": 2}},
+                        subresource="status")
+
+        async def ready():
+            o = await api.get(AV, PL, "default", name)
+            return o if cond(o, "Ready").get("status") == "True" else None
+        live = await wait_for(ready)
+        assert live["status"]["readyReplicas"] == 2 and cond(live, "Progressing")["status"] == "False"
+
+        # change tensorParallelSize -> Deployment updated, observedGeneration follows generation
+        await api.patch(AV, PL, "default", name, {"spec": {"engine": {"tensorParallelSize": 8},
+                                                            "resources": {"gpus": 8}}})
+
+        async def updated():
+            d = await api.get("apps/v1", "deployments", "default", name)
+            c = d["spec"]["template"]["spec"]["containers"][0]
+            return d if c["resources"]["limits"]["nvidia.com/gpu"] == "8" else None
+        dep = await wait_for(updated)
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--tensor-parallel-size") + 1] == "8"
+
+        async def observed():
+            o = await api.get(AV, PL, "default", name)
+            return o if o["status"].get("observedGeneration") == o["metadata"]["generation"] == 2 else None
+        await wait_for(observed)
+
+        # delete the Deployment -> recreated
+        old_uid = dep["metadata"]["uid"]
+        await api.delete("apps/v1", "deployments", "default", name)
+
+        async def recreated():
+            d = await api.get("apps/v1", "deployments", "default", name)
+            return d if d and d["metadata"]["uid"] != old_uid else None
+        await wait_for(recreated)
+
+    # the spec was never written by the operator: only status and kopf's annotations
+    final = await api.get(AV, PL, "default", name)
+    expected = copy.deepcopy(obj["spec"])
+    expected["engine"]["tensorParallelSize"] = 8
+    expected["resources"]["gpus"] = 8
+    assert final["spec"] == expected
+    _assert_operator_never_wrote_spec(emulator)
+
+
+async def _with_status(api, name):
+    o = await api.get(AV, PL, "default", name)
+    return o if o and (o.get("status") or {}).get("url") else None
+
+
+def _assert_operator_never_wrote_spec(emulator):
+    # test-originated writes carry the test token too, so tell them apart by content: the operator only
+    # sends status patches and metadata (kopf annotations/finalizers) to InferenceServices.
+    for w in emulator.writes:
+        if w["resource"] == PL and w["method"] == "PATCH" and isinstance(w["data"], dict):
+            if w["subresource"] == "status":
+                assert set(w["data"]) <= {"status", "metadata"}
+            elif "spec" not in w["data"]:
+                meta = w["data"].get("metadata") or {}
+                assert set(meta) <= {"annotations", "finalizers", "resourceVersion"}
+                for key in meta.get("annotations") or {}:
+                    assert key.startswith("kopf.serving.kvfleet.dev"), key
+
+
+async def test_unrealisable_spec_is_degraded_and_creates_nothing(api, emulator):
+    obj = sample("llama-3.1-8b-instruct.yaml")
+    obj["metadata"]["name"] = "from-s3"
+    obj["spec"]["model"]["uri"] = "s3://models/llama-3.1-8b"
+    async with running_operator():
+        await api.create(AV, PL, "default", obj)
+
+        async def degraded():
+            o = await api.get(AV, PL, "default", "from-s3")
+            return o if cond(o, "Degraded").get("status") == "True" else None
+        live = await wait_for(degraded)
+        status_writes = _writes(emulator, PL, "status")
+        # a permanent error: kopf does not retry (no new status writes while the spec is unchanged)
+        await _settle()
+        assert _writes(emulator, PL, "status") == status_writes
+    c = cond(live, "Degraded")
+    assert c["reason"] == "UnsupportedModelURI"
+    assert "spec.model.uri" in c["message"] and "s3://" in c["message"] and "not supported yet" in c["message"]
+    assert cond(live, "Ready")["status"] == "False"
+    assert not [w for w in emulator.writes if w["resource"] in ("deployments", "services", "poddisruptionbudgets")]
+
+
+async def test_restart_makes_no_duplicates_and_no_writes(api, emulator):
+    from kvfleet_operator import metrics
+
+    obj = sample("llama-3.1-8b-instruct.yaml")
+    name = obj["metadata"]["name"]
+    async with running_operator():
+        await api.create(AV, PL, "default", obj)
+        await wait_for(lambda: _with_status(api, name))
+        await _settle()
+    before = len(emulator.writes)
+    done = metrics.RECONCILES.labels(result="success")._value.get()
+    async with running_operator():
+        await wait_for(lambda: metrics.RECONCILES.labels(result="success")._value.get() > done)  # resume ran
+        await _settle()
+    assert emulator.writes[before:] == []
+    deployments = [k for k in emulator.objects if k[0].plural == "deployments" and not emulator.objects[k].deleted]
+    assert len(deployments) == 1
+
+
+async def test_kopf_state_survives_schema_pruning(api, emulator):
+    from kvfleet_operator import admission
+
+    obj = sample("smollm2-135m-cpu.yaml")
+    async with running_operator():
+        await api.create(AV, PL, "default", obj)
+        await wait_for(lambda: _with_status(api, "smollm2"))
+        await _settle()
+    live = await api.get(AV, PL, "default", "smollm2")
+    schema = admission.schema()
+    # everything the operator and kopf wrote is declared by the structural schema (nothing pruned) ...
+    assert admission.prune(live["status"], schema["properties"]["status"]) == live["status"]
+    assert admission.validate({k: v for k, v in live.items() if k != "status"}) == []
+    # ... and kopf's own state lives in annotations, which pruning never touches
+    notes = live["metadata"].get("annotations") or {}
+    assert "kopf.serving.kvfleet.dev/last-handled-configuration" in notes
+    assert "kopf" not in live["status"]
+
+
+async def test_autoscaled_replicas_are_not_reset(api, emulator):
+    obj = sample("llama-3.1-8b-instruct-eagle3.yaml")
+    name = obj["metadata"]["name"]
+    async with running_operator():
+        await api.create(AV, PL, "default", obj)
+        dep = await wait_for(lambda: api.get("apps/v1", "deployments", "default", name))
+        assert dep["spec"]["replicas"] == 1  # minReplicas
+        assert await wait_for(lambda: api.get("policy/v1", "poddisruptionbudgets", "default", name))  # max 4 > 1
+        # the autoscaler scales the Deployment to 3; then the user edits the spec
+        await api.patch("apps/v1", "deployments", "default", name, {"spec": {"replicas": 3}})
+        await api.patch(AV, PL, "default", name, {"spec": {"engine": {"maxModelLen": 4096}}})
+
+        async def rendered():
+            d = await api.get("apps/v1", "deployments", "default", name)
+            return d if "4096" in d["spec"]["template"]["spec"]["containers"][0]["args"] else None
+        dep = await wait_for(rendered)
+        assert dep["spec"]["replicas"] == 3
+        # lowering maxReplicas below the current count clamps it
+        await api.patch(AV, PL, "default", name, {"spec": {"autoscaling": {"maxReplicas": 2}}})
+
+        async def clamped():
+            d = await api.get("apps/v1", "deployments", "default", name)
+            return d if d["spec"]["replicas"] == 2 else None
+        await wait_for(clamped)
+
+
+async def test_pdb_follows_replicas_and_delete_leaves_no_finalizer(api, emulator):
+    obj = sample("llama-3.1-8b-instruct.yaml")
+    obj["spec"]["replicas"] = 2
+    name = obj["metadata"]["name"]
+    async with running_operator():
+        await api.create(AV, PL, "default", obj)
+        await wait_for(lambda: api.get("policy/v1", "poddisruptionbudgets", "default", name))
+        await api.patch(AV, PL, "default", name, {"spec": {"replicas": 1}})
+
+        async def pdb_gone():
+            return await api.get("policy/v1", "poddisruptionbudgets", "default", name) is None
+        await wait_for(pdb_gone)
+        dep = await api.get("apps/v1", "deployments", "default", name)
+        assert dep["spec"]["replicas"] == 1
+        live = await api.get(AV, PL, "default", name)
+        assert not live["metadata"].get("finalizers")  # no deletion handler -> nothing blocks deletion
+        await api.delete(AV, PL, "default", name)
+
+        async def gone():
+            return await api.get(AV, PL, "default", name) is None
+        await wait_for(gone)
+
+
+def _writes(emulator, resource, subresource=None):
+    return [w for w in emulator.writes if w["resource"] == resource and w["subresource"] == subresource]
+
+
+async def _settle(seconds: float = 1.0):
+    """Let the operator process what is in flight (bounded; used only to show nothing more happens)."""
+    import asyncio
+    await asyncio.sleep(seconds)
