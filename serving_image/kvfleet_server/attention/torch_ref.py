@@ -1,0 +1,44 @@
+"""PyTorch reference attention backend (CPU and any device): K/V are gathered through the block
+table and fed to ``torch.nn.functional.scaled_dot_product_attention`` (GQA via ``enable_gqa``).
+
+Decodes of a step run as one batched SDPA call over their gathered, padded contexts; each prefill
+chunk runs its own call (plain causal when it starts at position 0, else masked over its prefix).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backend import AttentionBackend, AttentionMetadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_blocks, block_size, kvh, hd = k_cache.shape
+        k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for g in meta.decode_groups:
+            rows = slice(g.start, g.start + g.count)
+            kk = k_cache[g.block_tables].view(g.count, -1, kvh, hd).transpose(1, 2)
+            vv = v_cache[g.block_tables].view(g.count, -1, kvh, hd).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                q[rows].unsqueeze(2), kk, vv, attn_mask=g.mask, scale=scale, enable_gqa=True
+            )
+            out[rows] = o.squeeze(2)
+        for p in meta.prefills:
+            rows = slice(p.q_start, p.q_start + p.q_len)
+            qp = q[rows].transpose(0, 1).unsqueeze(0)
+            if p.mask is None:
+                kk = k[rows].transpose(0, 1).unsqueeze(0)
+                vv = v[rows].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                kk = k_cache[p.block_table].view(-1, kvh, hd)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
+                vv = v_cache[p.block_table].view(-1, kvh, hd)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=p.mask, scale=scale, enable_gqa=True)
+            out[rows] = o.squeeze(0).transpose(0, 1)
+        return out

@@ -1,0 +1,393 @@
+"""LLMEngine: the step-level engine (add_request / abort_request / step / has_unfinished).
+
+Data flow of one ``step()``: Scheduler.schedule() picks the sequences and token counts → the runner
+performs copy-on-write copies, builds the flat batch and runs the model over the paged KV cache →
+logits of the rows that sample → sampling.sample() → tokens appended, detokenized, stop conditions
+checked → finished sequences release their blocks at once → RequestOutputs (cumulative + delta).
+
+Not thread-safe: drive it from one thread (the HTTP server runs it in a dedicated thread).
+Aborted requests: ``abort_request`` frees the blocks immediately and the next ``step()`` returns one
+final RequestOutput with finish_reason "abort" for each aborted request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .attention import get_attention_backend
+from .config import DEFAULT_CPU_KV_CACHE_BYTES, MAX_DEFAULT_MODEL_LEN, EngineConfig
+from .detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
+from .errors import InvalidRequestError, PromptTooLongError
+from .kv_cache import KVCacheManager
+from .loader import load_model, load_model_config
+from .outputs import CompletionOutput, Logprob, RequestOutput
+from .runner import ModelRunner, kv_bytes_per_token
+from .sampling import SampleRow, TokenLogprobs, prompt_logprobs, sample
+from .sampling_params import SamplingParams
+from .scheduler import Request, ScheduledSeq, Scheduler, Sequence, SeqStatus
+from .stats import IterationStats, SchedulerStats
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger("kvfleet.engine")
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    Attributes:
+        config: the EngineConfig.
+        tokenizer: kvfleet ``Tokenizer``.
+        max_model_len: longest prompt + output (tokens).
+        model_name: served model name.
+        num_blocks / block_size: KV pool geometry.
+        last_iteration: IterationStats of the latest step.
+    """
+
+    def __init__(self, config: EngineConfig):
+        config.validate()
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = config.resolved_model()
+        mcfg = load_model_config(path)
+        model_max = mcfg.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={model_max}"
+            )
+        max_len = config.max_model_len or min(model_max, MAX_DEFAULT_MODEL_LEN)
+        self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=max_len)
+        self.tokenizer = Tokenizer.from_path(config.tokenizer or path, self.model_config.eos_token_ids)
+        self.model_name = config.resolved_served_name()
+        self.block_size = bs = config.block_size
+        mc = self.model_config
+        per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if self.device == "cuda" and config.kv_cache_memory_bytes is None:
+            kv_bytes = self._profile_cuda_kv_bytes()
+        else:
+            kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        self.num_blocks = kv_bytes // (per_token * bs)
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={kv_bytes} is too small: one KV block of {bs} tokens needs {per_token * bs} bytes"
+            )
+        capacity = self.num_blocks * bs
+        if max_len > capacity:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len={max_len} does not fit in the KV pool ({self.num_blocks} blocks × {bs} = "
+                    f"{capacity} tokens); raise kv_cache_memory_bytes or lower max_model_len"
+                )
+            max_len = capacity
+        self.max_model_len = max_len
+        logger.info(
+            "KV cache: %d blocks × %d tokens (%.1f MiB, %s); max_model_len=%d; max concurrency at max_model_len: %.2fx",
+            self.num_blocks, bs, self.num_blocks * bs * per_token / 2**20, self.dtype, max_len, capacity / max_len,
+        )
+        self.kv = KVCacheManager(self.num_blocks, bs)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
+                                   config.enable_prefix_caching)
+        self.runner = ModelRunner(self.model, self.num_blocks, bs, self.device, self.dtype,
+                                  get_attention_backend(self.device))
+        self.requests: dict[str, Request] = {}
+        self._pending: list[RequestOutput] = []
+        self._rng = torch.Generator().manual_seed(config.seed)
+        self._stop_ids_cache: dict[int, list[int]] = {}
+        self.last_iteration = IterationStats()
+
+    @classmethod
+    def from_engine_args(cls, **kwargs) -> "LLMEngine":
+        return cls(EngineConfig(**kwargs))
+
+    # --- introspection -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.pool.num_free_blocks
+
+    def get_stats(self) -> SchedulerStats:
+        pool = self.kv.pool
+        running = {s.request.request_id for s in self.scheduler.running}
+        waiting = {s.request.request_id for s in self.scheduler.waiting} - running
+        return SchedulerStats(
+            num_running=len(running), num_waiting=len(waiting), kv_cache_usage=pool.usage,
+            num_blocks_total=pool.num_blocks, num_blocks_free=pool.num_free_blocks,
+            num_blocks_cached=pool.num_cached_blocks,
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished()
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    add_special_tokens: bool = True) -> None:
+        """Validate and queue a request.
+
+        Raises:
+            InvalidRequestError: duplicate id, empty prompt, token ids outside the vocabulary, bad params.
+            PromptTooLongError: prompt + max_tokens > max_model_len, or a prompt the pool can never hold.
+        """
+        params = params if params is not None else SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
+        params.validate()
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        else:
+            text = None
+            ids = [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}", param="prompt")
+        n = len(ids)
+        if n == 0:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        bs = self.block_size
+        if -(-(n + 1) // bs) > self.num_blocks:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens and needs {-(-(n + 1) // bs)} KV blocks of {bs} tokens, but the KV pool "
+                f"holds only {self.num_blocks} blocks ({self.num_blocks * bs} tokens)", param="prompt",
+            )
+        if n >= self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt has {n} tokens, max_model_len is {self.max_model_len}: no room for an output token",
+                param="prompt",
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                f"max_model_len={self.max_model_len}", param="max_tokens",
+            )
+        now = time.monotonic()
+        req = Request(request_id, text, ids, params, arrival_time if arrival_time is not None else now,
+                      max_tokens, cache_salt)
+        leader = self._new_sequence(req, 0, ids)
+        self.requests[request_id] = req
+        self.scheduler.add(leader)
+
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+        p = req.params
+        gen = None
+        if not p.greedy:
+            seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+            seed = (seed + index * 0x9E3779B97F4A7C15) % 2**63
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        seq = Sequence(req, index, token_ids, gen)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
+        req.seqs.append(seq)
+        return seq
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests now and free their blocks; unknown ids are ignored. The next step() returns
+        a final RequestOutput with finish_reason "abort" for each."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            req.aborted = True
+            req.forked = True
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    self.scheduler.remove(seq)
+                    seq.status = SeqStatus.FINISHED
+                    seq.finish_reason = "abort"
+            req.metrics.finished_time = time.monotonic()
+            self._pending.append(self._make_output(req))
+
+    # --- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration of continuous batching; returns outputs of requests that got new tokens or finished."""
+        sched = self.scheduler.schedule()
+        it = IterationStats(num_preemptions=len(sched.preempted), prefix_cache_queries=sched.prefix_cache_queries,
+                            prefix_cache_hits=sched.prefix_cache_hits)
+        outputs, self._pending = self._pending, []
+        if not sched.scheduled:
+            self.last_iteration = it
+            return outputs
+        now = time.monotonic()
+        scheduled = sched.scheduled
+        for s in scheduled:
+            m = s.seq.request.metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+            it.num_prompt_tokens += max(0, min(s.seq.num_computed_tokens + s.num_new, s.seq.num_prompt_tokens)
+                                        - s.seq.num_computed_tokens)
+        self.runner.copy_blocks(sched.copies)
+        batch = self.runner.execute(scheduled, {s.seq.seq_id: self.kv.block_ids(s.seq.seq_id) for s in scheduled})
+        samplers = [i for i, s in enumerate(scheduled) if s.samples]
+        self._prompt_logprobs(scheduled, batch)
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new
+            self.scheduler.publish_computed_blocks(s.seq)
+
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        for i in samplers:
+            seq = scheduled[i].seq
+            req = seq.request
+            rows.append(batch.last_row[i])
+            seqs.append(seq)
+            if not req.forked:  # n > 1: the prompt is computed once, then the samples share its blocks
+                req.forked = True
+                for k in range(1, req.params.n):
+                    child = self._new_sequence(req, k, seq.token_ids)
+                    child.num_computed_tokens = seq.num_computed_tokens
+                    self.kv.fork(seq.seq_id, child.seq_id)
+                    self.scheduler.add_running(child)
+                    rows.append(batch.last_row[i])
+                    seqs.append(child)
+        touched: dict[str, Request] = {}
+        if rows:
+            logits = self.runner.compute_logits(batch.hidden[torch.tensor(rows, device=batch.hidden.device)])
+            tokens, lps = sample(logits, [self._sample_row(s) for s in seqs])
+            now = time.monotonic()
+            for seq, tok, lp in zip(seqs, tokens, lps):
+                self._append_token(seq, tok, lp)
+                it.num_generation_tokens += 1
+                req = seq.request
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                req.metrics.last_token_time = now
+                touched[req.request_id] = req
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = time.monotonic()
+                self.requests.pop(req.request_id, None)
+            outputs.append(self._make_output(req))
+        self.last_iteration = it
+        return outputs
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        p = seq.request.params
+        stop_ids: list[int] = []
+        if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+            stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_token_ids)))
+        needs_hist = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+        return SampleRow(
+            params=p,
+            prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if needs_hist else [],
+            output_ids=seq.output_token_ids if (needs_hist or stop_ids) else [],
+            generator=seq.generator,
+            stop_ids_for_min_tokens=stop_ids,
+        )
+
+    def _logprob_entry(self, tok: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        d = {tok: Logprob(tok, lp.logprob, self.tokenizer.id_to_piece(tok), lp.rank)}
+        for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            if t not in d:
+                d[t] = Logprob(t, v, self.tokenizer.id_to_piece(t), r)
+        return d
+
+    def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprobs | None) -> None:
+        req = seq.request
+        p = req.params
+        seq.token_ids.append(tok)
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(self._logprob_entry(tok, lp))
+        reason = None
+        if tok in p.stop_token_ids:
+            reason, seq.stop_reason = "stop", tok
+        elif tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
+            reason = "stop"
+        else:
+            delta = seq.detok.add(tok)
+            if delta:
+                old = len(seq.text)
+                seq.text += delta
+                if p.stop:
+                    m = find_stop(seq.text, old, p.stop)
+                    if m is not None:
+                        idx, s = m
+                        seq.text = seq.text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
+                        reason, seq.stop_reason = "stop", s
+        if reason is None and (seq.num_output_tokens >= req.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            self.scheduler.remove(seq)
+            seq.status = SeqStatus.FINISHED
+
+    def _prompt_logprobs(self, scheduled: list[ScheduledSeq], batch) -> None:
+        for i, s in enumerate(scheduled):
+            req = s.seq.request
+            pl = req.prompt_logprobs
+            if pl is None or s.seq.index != 0 or len(pl) >= len(req.prompt_token_ids):
+                continue
+            start, n = batch.chunk_rows[i]
+            p0 = s.seq.num_computed_tokens
+            first = max(p0, len(pl) - 1)
+            last = min(p0 + n, len(req.prompt_token_ids) - 1)  # positions whose next token is in the prompt
+            if last <= first:
+                continue
+            rows = torch.arange(start + first - p0, start + last - p0, device=batch.hidden.device)
+            logits = self.runner.compute_logits(batch.hidden[rows])
+            nxt = req.prompt_token_ids[first + 1 : last + 1]
+            for tok, lp in zip(nxt, prompt_logprobs(logits, nxt, req.params.prompt_logprobs)):
+                pl.append(self._logprob_entry(tok, lp))
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        comps = []
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            stops = req.params.stop
+            visible = len(seq.text)
+            if stops and not seq.is_finished:
+                visible -= partial_stop_len(seq.text, stops)
+            visible = max(visible, seq.emitted_text_len)
+            text = seq.text[:visible]
+            out_ids = seq.output_token_ids
+            lps = seq.logprobs
+            comps.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(out_ids),
+                delta_text=text[seq.emitted_text_len:], delta_token_ids=out_ids[seq.emitted_tokens:],
+                logprobs=list(lps) if lps is not None else None,
+                delta_logprobs=lps[seq.emitted_tokens:] if lps is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            ))
+            seq.emitted_text_len = visible
+            seq.emitted_tokens = len(out_ids)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=comps, finished=req.finished, prompt_logprobs=req.prompt_logprobs, metrics=req.metrics,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def _profile_cuda_kv_bytes(self) -> int:
+        """KV budget on CUDA: gpu_memory_utilization × total − memory in use after loading the weights
+        − the activation peak of a forward pass over max_num_batched_tokens tokens (profile run)."""
+        from .scheduler import Request as _R
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        T = min(self.max_num_batched_tokens, self.model_config.max_position_embeddings)
+        nb = -(-T // self.block_size) + 1
+        tmp = ModelRunner(self.model, nb, self.block_size, self.device, self.dtype, get_attention_backend(self.device))
+        req = _R("__profile__", None, [0] * T, SamplingParams(max_tokens=1), 0.0, 1)
+        seq = Sequence(req, 0, [0] * T, None)
+        tmp.execute([ScheduledSeq(seq, T)], {seq.seq_id: list(range(nb))})
+        torch.cuda.synchronize()
+        activation = torch.cuda.max_memory_allocated() - base
+        del tmp
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activation
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no memory for the KV cache "
+                f"(total {total} B, in use {total - free} B, activation peak {activation} B)"
+            )
+        logger.info("CUDA profile: activation peak %.1f MiB, KV budget %.1f MiB", activation / 2**20, budget / 2**20)
+        return budget

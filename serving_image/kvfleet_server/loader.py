@@ -1,0 +1,283 @@
+"""Load a Llama-family model from a Hugging Face directory (config.json + safetensors, sharded or
+not) or from a single GGUF file (metadata + tensors dequantized with the ``gguf`` package).
+
+Weights end up equal to what transformers loads from the same files: for llama GGUFs the
+Q/K row permutation applied by llama.cpp's converter is reversed (as transformers'
+``LlamaTensorProcessor`` does).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import torch
+
+from .errors import UnsupportedFeatureError
+from .models import MODEL_REGISTRY, ModelConfig
+from .models.config import SUPPORTED_ARCHITECTURES
+
+logger = logging.getLogger(__name__)
+
+GGUF_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_DEQUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_1", "Q5_K", "Q8_K")
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing or does not match what the architecture expects."""
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+# ---------------------------------------------------------------------------------------------
+# HF directory
+# ---------------------------------------------------------------------------------------------
+def read_hf_config(model_dir: str) -> ModelConfig:
+    cfg_path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"expected config.json in model directory {model_dir!r}")
+    with open(cfg_path) as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+def read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards listed by model.safetensors.index.json."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(
+            f"expected model.safetensors or model.safetensors.index.json in {model_dir!r} (no *.safetensors found)"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        path = os.path.join(model_dir, name)
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"expected weight shard {name!r} listed in the index at {path!r}")
+        tensors.update(load_file(path))
+    return tensors
+
+
+def hf_to_kvfleet(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Map HF parameter names to kvfleet's (fusing q/k/v and gate/up)."""
+    get = _getter(t, "HF checkpoint")
+    out = {"embed_tokens.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = t.get("lm_head.weight", out["embed_tokens.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        layer = {
+            "q": get(a + "q_proj.weight"), "k": get(a + "k_proj.weight"), "v": get(a + "v_proj.weight"),
+            "o": get(a + "o_proj.weight"), "gate": get(p + "mlp.gate_proj.weight"),
+            "up": get(p + "mlp.up_proj.weight"), "down": get(p + "mlp.down_proj.weight"),
+            "in_norm": get(p + "input_layernorm.weight"), "post_norm": get(p + "post_attention_layernorm.weight"),
+        }
+        if cfg.attention_bias:
+            layer.update(qb=get(a + "q_proj.bias"), kb=get(a + "k_proj.bias"), vb=get(a + "v_proj.bias"))
+        out.update(_layer_params(i, layer))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF
+# ---------------------------------------------------------------------------------------------
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def read_gguf_config(reader) -> ModelConfig:
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise UnsupportedFeatureError(
+            f"not supported yet: GGUF architecture {arch!r}; expected one of {list(GGUF_ARCHS)}"
+        )
+    g = lambda k, d=None: _field(reader, f"{arch}.{k}", d)  # noqa: E731
+    heads = int(g("attention.head_count"))
+    hidden = int(g("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = g("vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    scaling = None
+    stype = g("rope.scaling.type")
+    if stype == "linear":
+        scaling = {"rope_type": "linear", "factor": float(g("rope.scaling.factor"))}
+    elif stype not in (None, "none"):
+        raise UnsupportedFeatureError(f"not supported yet: GGUF rope scaling type {stype!r}")
+    if "rope_freqs.weight" in names:
+        rf = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+        scaling = {"rope_type": "freq_factors", "factors": np.asarray(rf.data, dtype=np.float32).tolist()}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=GGUF_ARCHS[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(g("feed_forward_length")),
+        num_hidden_layers=int(g("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("rope.dimension_count", hidden // heads)) if arch == "llama" else hidden // heads,
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(g("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        eos_token_ids=[] if eos is None else [int(eos)],
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+    )
+
+
+def _reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert_hf_to_gguf Q/K permutation (rows grouped per head, halves interleaved)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def read_gguf_tensors(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from gguf import dequantize
+
+    out = {}
+    llama = cfg.architecture == "LlamaForCausalLM"
+    for t in reader.tensors:
+        if t.tensor_type.name not in GGUF_DEQUANT_TYPES:
+            raise UnsupportedFeatureError(
+                f"not supported yet: GGUF tensor type {t.tensor_type.name} for {t.name}; "
+                f"expected one of {list(GGUF_DEQUANT_TYPES)}"
+            )
+        w = dequantize(t.data, t.tensor_type)
+        if llama and ".attn_q." in t.name:
+            w = _reverse_llama_permute(w, cfg.num_attention_heads)
+        elif llama and ".attn_k." in t.name:
+            w = _reverse_llama_permute(w, cfg.num_key_value_heads)
+        out[t.name] = torch.from_numpy(np.array(w, dtype=np.float32))
+    return out
+
+
+def gguf_to_kvfleet(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    get = _getter(t, "GGUF file")
+    out = {"embed_tokens.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = get("output.weight")
+    for i in range(cfg.num_hidden_layers):
+        b = f"blk.{i}."
+        layer = {
+            "q": get(b + "attn_q.weight"), "k": get(b + "attn_k.weight"), "v": get(b + "attn_v.weight"),
+            "o": get(b + "attn_output.weight"), "gate": get(b + "ffn_gate.weight"), "up": get(b + "ffn_up.weight"),
+            "down": get(b + "ffn_down.weight"), "in_norm": get(b + "attn_norm.weight"),
+            "post_norm": get(b + "ffn_norm.weight"),
+        }
+        if cfg.attention_bias:
+            layer.update(qb=get(b + "attn_q.bias"), kb=get(b + "attn_k.bias"), vb=get(b + "attn_v.bias"))
+        out.update(_layer_params(i, layer))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# common
+# ---------------------------------------------------------------------------------------------
+def _getter(t: dict[str, torch.Tensor], where: str):
+    def get(name: str) -> torch.Tensor:
+        if name not in t:
+            raise ModelLoadError(f"expected tensor {name!r} in the {where}; it is missing")
+        return t[name]
+
+    return get
+
+
+def _layer_params(i: int, p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    pre = f"layers.{i}."
+    out = {
+        pre + "qkv_proj.weight": torch.cat([p["q"], p["k"], p["v"]], 0),
+        pre + "o_proj.weight": p["o"],
+        pre + "gate_up_proj.weight": torch.cat([p["gate"], p["up"]], 0),
+        pre + "down_proj.weight": p["down"],
+        pre + "input_layernorm.weight": p["in_norm"],
+        pre + "post_attention_layernorm.weight": p["post_norm"],
+    }
+    if "qb" in p:
+        out[pre + "qkv_proj.bias"] = torch.cat([p["qb"], p["kb"], p["vb"]], 0)
+    return out
+
+
+def _check_shapes(cfg: ModelConfig, params: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    """Compare each source tensor with what the architecture expects (shapes given in HF [out, in])."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    expected = {"embed_tokens.weight": (cfg.vocab_size, d), "norm.weight": (d,)}
+    if not cfg.tie_word_embeddings:
+        expected["lm_head.weight"] = (cfg.vocab_size, d)
+    for i in range(cfg.num_hidden_layers):
+        pre = f"layers.{i}."
+        expected.update({
+            pre + "qkv_proj.weight": (q + 2 * kv, d), pre + "o_proj.weight": (d, q),
+            pre + "gate_up_proj.weight": (2 * cfg.intermediate_size, d),
+            pre + "down_proj.weight": (d, cfg.intermediate_size),
+            pre + "input_layernorm.weight": (d,), pre + "post_attention_layernorm.weight": (d,),
+        })
+        if cfg.attention_bias:
+            expected[pre + "qkv_proj.bias"] = (q + 2 * kv,)
+    for name, shape in expected.items():
+        got = tuple(params[name].shape)
+        if got != shape:
+            raise ModelLoadError(
+                f"tensor {name} has shape {list(got)}, expected {list(shape)} for {cfg.architecture} "
+                f"(hidden_size={d}, heads={cfg.num_attention_heads}, kv_heads={cfg.num_key_value_heads}, "
+                f"head_dim={hd}, intermediate_size={cfg.intermediate_size}, vocab_size={cfg.vocab_size})"
+            )
+
+
+def load_model_config(path: str) -> ModelConfig:
+    """Read only the architecture config of a model directory or GGUF file."""
+    if is_gguf(path):
+        from gguf import GGUFReader
+
+        return read_gguf_config(GGUFReader(path))
+    if os.path.isdir(path):
+        return read_hf_config(path)
+    raise ModelLoadError(f"expected a model directory with config.json or a .gguf file, got {path!r}")
+
+
+def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | None = None):
+    """Load weights into kvfleet's model.
+
+    Returns (model in eval mode on ``device`` with ``dtype`` weights, ModelConfig).
+    Raises ModelLoadError (missing file or tensor, wrong shape) or UnsupportedFeatureError
+    (unknown architecture, tensor type or rope scaling).
+    """
+    if is_gguf(path):
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        cfg = read_gguf_config(reader)
+        params = gguf_to_kvfleet(cfg, read_gguf_tensors(reader, cfg))
+    elif os.path.isdir(path):
+        cfg = read_hf_config(path)
+        params = hf_to_kvfleet(cfg, read_hf_tensors(path))
+    else:
+        raise ModelLoadError(f"expected a model directory with config.json or a .gguf file, got {path!r}")
+    if cfg.architecture not in MODEL_REGISTRY:
+        raise UnsupportedFeatureError(
+            f"not supported yet: architecture {cfg.architecture}; expected one of {list(SUPPORTED_ARCHITECTURES)}"
+        )
+    _check_shapes(cfg, params, None)
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[cfg.architecture](cfg, max_positions=1)
+    model = model.to_empty(device=device).to(dtype=dtype)
+    model.load_state_dict(params, strict=True)
+    model.init_rope(max_positions or cfg.max_position_embeddings, device)
+    model.eval()
+    return model, cfg

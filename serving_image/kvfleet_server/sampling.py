@@ -1,0 +1,154 @@
+"""Batched token sampling with per-request parameters (runs on the model's device).
+
+Order of operations per row (as in vLLM): raw log-probabilities (returned as logprobs) → penalties
+(repetition: CTRL paper / HF, presence and frequency: OpenAI) → min_tokens masking of EOS and
+stop_token_ids → greedy argmax, or temperature → top-k → top-p → min-p → sampling with the row's
+own ``torch.Generator`` (exponential race: argmax(p / q), q ~ Exp(1)), so a seeded request draws the
+same numbers whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRow:
+    """What the sampler needs to know about one row."""
+
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    generator: torch.Generator | None
+    stop_ids_for_min_tokens: list[int]
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probability data of one sampled token: (chosen logprob, rank) and the top-k entries."""
+
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """In place on the rows that ask for a penalty; other rows are untouched. logits: [N, V]."""
+    V = logits.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
+            ids = r.prompt_ids + r.output_ids
+            if ids:
+                seen[torch.tensor(ids, device=logits.device)] = True
+            row = logits[i]
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalized, row)
+        if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and r.output_ids:
+            counts = torch.bincount(torch.tensor(r.output_ids, device=logits.device), minlength=V)[:V]
+            counts = counts.to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _filter_random_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on rows that sample; returns probabilities [M, V]."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
+    logits = logits / temps[:, None]
+    top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
+    top_ps = [p.top_p for p in params]
+    if any(top_ks) or any(tp < 1.0 for tp in top_ps):
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        V = logits.shape[1]
+        keep = torch.ones_like(sorted_logits, dtype=torch.bool)
+        if any(top_ks):
+            k = torch.tensor([k if k else V for k in top_ks], device=dev)
+            keep &= torch.arange(V, device=dev)[None, :] < k[:, None]
+        if any(tp < 1.0 for tp in top_ps):
+            probs = sorted_logits.masked_fill(~keep, float("-inf")).softmax(-1)
+            cum = probs.cumsum(-1)
+            tp = torch.tensor(top_ps, device=dev, dtype=probs.dtype)
+            keep &= (cum - probs) < tp[:, None]  # keep the smallest prefix whose mass reaches top_p
+            keep[:, 0] = True
+        sorted_logits = sorted_logits.masked_fill(~keep, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(1, sorted_idx, sorted_logits)
+    probs = logits.softmax(-1)
+    min_ps = [p.min_p for p in params]
+    if any(mp > 0 for mp in min_ps):
+        mp = torch.tensor(min_ps, device=dev, dtype=probs.dtype)
+        probs = probs.masked_fill(probs < mp[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Choose one token per row.
+
+    Args:
+        logits: [N, V] float32 (modified in place).
+        rows: per row parameters and history.
+    Returns:
+        token ids (N ints) and, for rows asking for logprobs, TokenLogprobs (raw model log-probs).
+    """
+    N = logits.shape[0]
+    want_lp = [r.params.logprobs is not None for r in rows]
+    raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+
+    if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+           for r in rows):
+        apply_penalties(logits, rows)
+    for i, r in enumerate(rows):
+        if r.stop_ids_for_min_tokens and len(r.output_ids) < r.params.min_tokens:
+            logits[i, torch.tensor(r.stop_ids_for_min_tokens, device=logits.device)] = float("-inf")
+
+    tokens = logits.argmax(dim=-1)
+    rand_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if rand_idx:
+        probs = _filter_random_rows(logits[rand_idx], [rows[i].params for i in rand_idx])
+        chosen = []
+        for j, i in enumerate(rand_idx):
+            q = torch.empty_like(probs[j]).exponential_(generator=rows[i].generator)
+            chosen.append((probs[j] / q).argmax())
+        tokens[torch.tensor(rand_idx, device=logits.device)] = torch.stack(chosen)
+    token_list = tokens.tolist()
+
+    lps: list[TokenLogprobs | None] = [None] * N
+    if raw_lp is not None:
+        idx = [i for i in range(N) if want_lp[i]]
+        k = max(rows[i].params.logprobs for i in idx)
+        sub = raw_lp[idx]
+        chosen_t = tokens[idx]
+        chosen_lp = sub.gather(1, chosen_t[:, None]).squeeze(1)
+        ranks = (sub > chosen_lp[:, None]).sum(-1) + 1
+        top_v, top_i = sub.topk(k, dim=-1) if k > 0 else (None, None)
+        chosen_lp, ranks = chosen_lp.tolist(), ranks.tolist()
+        top_v = top_v.tolist() if k > 0 else None
+        top_i = top_i.tolist() if k > 0 else None
+        for j, i in enumerate(idx):
+            kk = rows[i].params.logprobs
+            lps[i] = TokenLogprobs(
+                chosen_lp[j], ranks[j], top_i[j][:kk] if kk else [], top_v[j][:kk] if kk else []
+            )
+    return token_list, lps
+
+
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprobs]:
+    """Log-probs of the actual next prompt tokens. logits: [L, V] rows at positions p; next_ids[p]
+    is the prompt token at p + 1."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    nxt = torch.tensor(next_ids, device=lp.device)
+    chosen = lp.gather(1, nxt[:, None]).squeeze(1)
+    ranks = ((lp > chosen[:, None]).sum(-1) + 1).tolist()
+    chosen = chosen.tolist()
+    if k > 0:
+        tv, ti = lp.topk(k, dim=-1)
+        tv, ti = tv.tolist(), ti.tolist()
+    else:
+        tv = ti = [[] for _ in next_ids]
+    return [TokenLogprobs(chosen[j], ranks[j], ti[j], tv[j]) for j in range(len(next_ids))]

@@ -1,0 +1,286 @@
+"""Continuous-batching scheduler with chunked prefill, recompute preemption and prefix-cache lookup.
+
+Every step (after vLLM v1's unified scheduler) each sequence simply has tokens whose KV is not in
+the cache yet: ``len(token_ids) - num_computed_tokens`` — the whole prompt for a new request, one
+token for a decode, prompt + generated tokens after a preemption. The scheduler hands out a token
+budget (``max_num_batched_tokens``) per step:
+
+1. running sequences first, oldest arrival first (decodes take 1 token, unfinished prefills a chunk);
+   when the pool cannot supply a block, the most recently arrived running sequence is preempted
+   (blocks freed, requeued at the front of the waiting queue, recomputed later);
+2. then waiting sequences in order, as long as budget, ``max_num_seqs`` and free blocks allow
+   (a waiting sequence never preempts a running one).
+
+A sequence samples a token in a step when that step computes its last known token.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .kv_cache import KVCacheManager, hash_block_tokens
+from .outputs import PositionLogprobs, RequestMetrics
+from .sampling_params import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_counter = itertools.count()
+
+
+class Sequence:
+    """One completion being generated (a request with n > 1 has n of them after its prompt prefill).
+
+    Attributes:
+        token_ids: prompt followed by generated tokens.
+        num_computed_tokens: leading tokens whose K/V are in the cache.
+        generator: this sequence's torch.Generator (seeded sampling survives preemption with it).
+        block_hashes: chained hashes of its full blocks (prefix caching), computed lazily.
+    """
+
+    def __init__(self, request: "Request", index: int, token_ids: list[int], generator: torch.Generator | None):
+        self.request = request
+        self.index = index
+        self.seq_id = f"{request.request_id}#{index}"
+        self.order = next(_seq_counter)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = SeqStatus.WAITING
+        self.generator = generator
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.logprobs: list[PositionLogprobs] | None = [] if request.params.logprobs is not None else None
+        self.detok = None  # set by the engine (IncrementalDetokenizer)
+        self.text = ""  # output text (stop string removed once matched)
+        self.emitted_text_len = 0
+        self.emitted_tokens = 0
+        self.block_hashes: list[bytes] = []
+        self.num_published_blocks = 0
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def arrival_key(self) -> tuple[float, int]:
+        return (self.request.arrival_time, self.request.order, self.index)
+
+    def full_block_hashes(self, block_size: int, upto_blocks: int) -> list[bytes]:
+        """Chained hashes of the first ``upto_blocks`` full blocks (extends the cached list)."""
+        extra = self.request.hash_extra
+        while len(self.block_hashes) < upto_blocks:
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if i else None
+            toks = self.token_ids[i * block_size : (i + 1) * block_size]
+            self.block_hashes.append(hash_block_tokens(parent, toks, extra))
+        return self.block_hashes[:upto_blocks]
+
+
+_req_counter = itertools.count()
+
+
+class Request:
+    """What add_request received, plus its sequences."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, max_tokens: int, cache_salt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.arrival_time = arrival_time
+        self.order = next(_req_counter)
+        self.max_tokens = max_tokens
+        self.cache_salt = cache_salt
+        self.hash_extra: tuple = () if cache_salt is None else ("salt", cache_salt)
+        self.seqs: list[Sequence] = []
+        self.forked = params.n == 1
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.num_cached_tokens = 0
+        self.aborted = False
+
+    @property
+    def finished(self) -> bool:
+        return self.forked and all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new: int  # tokens computed this step: positions [num_computed, num_computed + num_new)
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_new == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) block ids
+    preempted: list[Sequence] = field(default_factory=list)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+
+class Scheduler:
+    """Decides, each step, which sequences compute how many tokens (see module docstring)."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool):
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_prefix_caching = enable_prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions_total = 0
+
+    # --- queue management ----------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked child joins the running set directly (its blocks are shared with its parent)."""
+        seq.status = SeqStatus.RUNNING
+        bisect.insort(self.running, seq, key=Sequence.arrival_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a sequence from whichever queue holds it and free its blocks (finish or abort)."""
+        if seq.status is SeqStatus.RUNNING and seq in self.running:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.kv.free(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.num_published_blocks = 0
+        seq.status = SeqStatus.WAITING
+        seq.request.metrics.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(seq)
+
+    # --- prefix cache --------------------------------------------------------------------------
+    def _lookup_prefix(self, seq: Sequence) -> int:
+        """Attach the longest chain of cached full blocks; returns the number of tokens reused."""
+        bs = self.block_size
+        num_full = len(seq.token_ids) // bs
+        hits = []
+        for h in seq.full_block_hashes(bs, num_full):
+            block = self.kv.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        if not hits:
+            return 0
+        self.kv.attach_cached_blocks(seq.seq_id, hits)
+        # The last token is always computed so that there are logits to sample from; writing it into
+        # a published block triggers copy-on-write (kv_cache.allocate_slots).
+        return min(len(hits) * bs, len(seq.token_ids) - 1)
+
+    def publish_computed_blocks(self, seq: Sequence) -> None:
+        """Publish the sequence's full blocks whose K/V are now computed (called after a step)."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        if full > seq.num_published_blocks:
+            hashes = seq.full_block_hashes(self.block_size, full)
+            self.kv.publish_full_blocks(seq.seq_id, hashes, seq.num_published_blocks)
+            seq.num_published_blocks = full
+
+    # --- the policy ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=Sequence.arrival_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed, budget)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            while copies is None:
+                victim = self.running[-1]  # most recent arrival, not scheduled yet (index >= i)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+                copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            if copies is None:
+                break
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.copies.extend(copies)
+            budget -= num_new
+            i += 1
+
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            req = seq.request
+            seats = 1 if req.forked else req.params.n
+            if len(self.running) + seats > self.max_num_seqs:
+                break
+            cached = 0
+            if self.enable_prefix_caching and seq.num_computed_tokens == 0 and seq.seq_id not in self.kv.block_tables:
+                cached = self._lookup_prefix(seq)
+                out.prefix_cache_queries += len(seq.token_ids)
+                out.prefix_cache_hits += cached
+            seq.num_computed_tokens = cached
+            num_new = min(seq.num_uncomputed, budget)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            if copies is None:
+                if cached:  # give the prefix hits back; retry next step
+                    out.prefix_cache_queries -= len(seq.token_ids)
+                    out.prefix_cache_hits -= cached
+                self.kv.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if seq.request.metrics.first_scheduled_time is None:
+                req.num_cached_tokens = cached
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.copies.extend(copies)
+            budget -= num_new
+        return out

@@ -1,0 +1,77 @@
+"""Tokenizer wrapper over Hugging Face ``tokenizers`` (through transformers' fast tokenizer, which
+also builds tokenizers from GGUF metadata) plus the model's jinja2 chat template."""
+
+from __future__ import annotations
+
+import os
+
+from .errors import InvalidRequestError
+
+
+class Tokenizer:
+    """encode / decode / apply_chat_template for one model.
+
+    Attributes:
+        eos_token_id: id that ends generation (None if the tokenizer has none).
+        vocab_size: number of token ids (including added tokens).
+        hf: the underlying transformers tokenizer.
+    """
+
+    def __init__(self, hf_tokenizer, eos_token_ids: list[int] | None = None):
+        self.hf = hf_tokenizer
+        self._backend = getattr(hf_tokenizer, "backend_tokenizer", None) or getattr(hf_tokenizer, "_tokenizer", None)
+        eos = hf_tokenizer.eos_token_id
+        self.eos_token_id: int | None = eos if eos is not None else (eos_token_ids[0] if eos_token_ids else None)
+        ids = set(eos_token_ids or [])
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(ids)
+        self.vocab_size: int = len(hf_tokenizer)
+        self.all_special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
+
+    @classmethod
+    def from_path(cls, path: str, eos_token_ids: list[int] | None = None) -> "Tokenizer":
+        """Load from an HF directory (tokenizer.json / tokenizer_config.json) or a .gguf file."""
+        from transformers import AutoTokenizer
+
+        if path.endswith(".gguf") and os.path.isfile(path):
+            hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+        elif os.path.isdir(path):
+            hf = AutoTokenizer.from_pretrained(path)
+        else:
+            raise FileNotFoundError(f"expected a tokenizer directory or a .gguf file, got {path!r}")
+        return cls(hf, eos_token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_piece(self, token_id: int) -> str:
+        """Text of one token on its own (for logprobs)."""
+        return self.decode([token_id], skip_special_tokens=False)
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self.hf, "chat_template", None)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
+                            **kwargs):
+        """Render ``messages`` with the model's chat template (jinja2).
+
+        Raises InvalidRequestError (param "messages") when the model has no template or the template
+        itself raises (e.g. a role it does not support), with the template's own message.
+        """
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; use the completions API", param="messages")
+        try:
+            return self.hf.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=tokenize, **kwargs
+            )
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # jinja2.TemplateError and friends: the template's own message
+            raise InvalidRequestError(f"chat template error: {e}", param="messages") from e
