@@ -48,7 +48,7 @@ class FakeEngine:
         self.last_iteration = IterationStats()
         self.aborted: list[str] = []
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None):
+    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None, add_special_tokens=True):
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("prompt must not be empty", param="prompt")

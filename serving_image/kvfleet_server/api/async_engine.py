@@ -42,6 +42,7 @@ class _Add:
     cache_salt: str | None
     future: asyncio.Future
     arrival: float
+    add_special_tokens: bool = True
 
 
 @dataclass
@@ -110,9 +111,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ asyncio side
 
-    async def add_many(self, requests: list[tuple[str, str | list[int], SamplingParams, str | None]]
-                       ) -> list["RequestStream"]:
+    async def add_many(self, requests: list[tuple[str, str | list[int], SamplingParams, str | None]],
+                       add_special_tokens: bool = True) -> list["RequestStream"]:
         """Submit requests ``(request_id, prompt, params, cache_salt)`` together; returns one stream each.
+
+        ``add_special_tokens``: whether the engine adds BOS etc. when it tokenizes a text prompt.
 
         Waits until the engine thread has accepted all of them.
 
@@ -130,7 +133,7 @@ class AsyncEngine:
             stream = RequestStream(self, request_id)
             self._streams[request_id] = stream.queue
             fut = loop.create_future()
-            self._cmds.put(_Add(request_id, prompt, params, salt, fut, time.monotonic()))
+            self._cmds.put(_Add(request_id, prompt, params, salt, fut, time.monotonic(), add_special_tokens))
             streams.append(stream)
             futures.append(fut)
         try:
@@ -187,7 +190,7 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival,
-                                        cache_salt=cmd.cache_salt)
+                                        cache_salt=cmd.cache_salt, add_special_tokens=cmd.add_special_tokens)
             except Exception as exc:  # noqa: BLE001 - handed to the HTTP handler (400 for InvalidRequestError)
                 self._post(_set_exception, cmd.future, exc)
                 return True

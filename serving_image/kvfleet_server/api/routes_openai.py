@@ -51,7 +51,7 @@ def _usage(prompt_lens: list[int], completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=p, completion_tokens=completion_tokens, total_tokens=p + completion_tokens)
 
 
-async def _submit(state, prompts: list, params, cache_salt: str | None, prefix: str):
+async def _submit(state, prompts: list, params, cache_salt: str | None, prefix: str, add_special_tokens: bool = True):
     if params.stop:
         for s in params.stop:
             check_text(s, "stop")
@@ -60,7 +60,7 @@ async def _submit(state, prompts: list, params, cache_salt: str | None, prefix: 
     engine = state.admit(len(prompts))
     rid = random_id(prefix)
     reqs = [(f"{rid}-{i}", p, dataclasses.replace(params), cache_salt) for i, p in enumerate(prompts)]
-    return rid, await engine.add_many(reqs)
+    return rid, await engine.add_many(reqs, add_special_tokens)
 
 
 def _include_usage(body) -> bool:
@@ -86,7 +86,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
     params = completion_sampling_params(body)
-    rid, streams = await _submit(state, prompts, params, body.cache_salt, "cmpl")
+    rid, streams = await _submit(state, prompts, params, body.cache_salt, "cmpl", body.add_special_tokens)
     tok = state.llm.tokenizer
     prompt_texts = [p if isinstance(p, str) else None for p in prompts]
 
@@ -219,7 +219,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
     params = chat_sampling_params(body)
     prompt = render_chat(state, body)
-    rid, streams = await _submit(state, [prompt], params, body.cache_salt, "chatcmpl")
+    # the chat template already wrote the special tokens (as vLLM: add_special_tokens=False for chat)
+    rid, streams = await _submit(state, [prompt], params, body.cache_salt, "chatcmpl", False)
     k = (body.top_logprobs or 0) if body.logprobs else None
     model = state.model_name
     created = now()
