@@ -24,7 +24,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, kube, metrics, render
+from . import api, apply, kube, metrics, peering, render
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -47,8 +47,10 @@ def configure(settings: kopf.OperatorSettings) -> None:
 
 
 @kopf.on.startup()
-def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def startup(settings: kopf.OperatorSettings, logger: logging.Logger, **_: Any) -> None:
     configure(settings)
+    for what in await peering.ensure_peering_objects(settings):
+        logger.info(f"Created peering object {what}")
 
 
 @kopf.on.login()

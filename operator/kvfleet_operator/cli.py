@@ -1,0 +1,134 @@
+"""``kvfleet-operator``: run the operator, render an InferenceService's children, print the CRD.
+
+    kvfleet-operator run [--namespace NS ... | --all-namespaces] [--liveness URL] [--metrics-port N]
+                         [--peering NAME | --standalone] [--verbose]
+    kvfleet-operator render FILE|-      children as YAML (for review in GitOps pull requests)
+    kvfleet-operator crd [--peering]    the InferenceService CRD (and kopf's peering CRDs)
+
+Exit status: 0 ok, 2 invalid input (messages name the field).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import sys
+from typing import Any
+
+import yaml
+
+from . import api
+
+OPERATOR_MODULES = ("kvfleet_operator.handlers", "kvfleet_operator.autoscaler")
+
+
+def operator_modules() -> list[str]:
+    """Handler modules to load: the reconcile, and the autoscaler's timer when it is installed."""
+    return [m for m in OPERATOR_MODULES if importlib.util.find_spec(m) is not None]
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf
+
+    from . import metrics, peering
+
+    if args.namespace and args.all_namespaces:
+        print("error: --namespace and --all-namespaces exclude each other", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for module in operator_modules():
+        importlib.import_module(module)
+    if args.metrics_port:
+        metrics.serve(args.metrics_port)
+    peering.namespaces = list(args.namespace or [])
+    kopf.run(
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or (),
+        liveness_endpoint=args.liveness or None,
+        standalone=args.standalone,
+        peering_name=None if args.standalone else args.peering,
+        priority=peering.start_priority(),
+    )
+    return 0
+
+
+def _render(args: argparse.Namespace) -> int:
+    from . import admission, render
+
+    text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+    out: list[dict[str, Any]] = []
+    failed = False
+    for doc in yaml.safe_load_all(text):
+        if not doc:
+            continue
+        if doc.get("apiVersion") != api.API_VERSION or doc.get("kind") != api.KIND:
+            print(f"error: {args.file}: expected apiVersion {api.API_VERSION} kind {api.KIND}, got "
+                  f"{doc.get('apiVersion')} {doc.get('kind')}", file=sys.stderr)
+            failed = True
+            continue
+        name = (doc.get("metadata") or {}).get("name", "?")
+        errors = admission.validate(doc)
+        if errors:
+            for err in errors:
+                print(f"error: {name}: {err}", file=sys.stderr)
+            failed = True
+            continue
+        doc = admission.apply_defaults(doc, admission.schema())
+        try:
+            children = render.render(doc)
+        except render.Unrealisable as exc:
+            print(f"error: {name}: {exc.reason}: {exc.message}", file=sys.stderr)
+            failed = True
+            continue
+        out += [c for c in (children.deployment, children.service, children.pdb) if c is not None]
+    if out:
+        sys.stdout.write("# Rendered by `kvfleet-operator render`; in a cluster each object also gets an\n"
+                         "# ownerReference to its InferenceService.\n")
+        sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False, width=120))
+    return 2 if failed else 0
+
+
+def _crd(args: argparse.Namespace) -> int:
+    from . import crdgen
+
+    sys.stdout.write(crdgen.crd_yaml())
+    if args.peering:
+        sys.stdout.write("---\n" + crdgen.peering_yaml())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfleet-operator", description="kvfleet's Kubernetes operator.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the operator (kopf)")
+    run.add_argument("--namespace", "-n", action="append", metavar="NS",
+                     help="watch this namespace (repeatable; default: all namespaces)")
+    run.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace (the default)")
+    run.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", metavar="URL",
+                     help="kopf liveness endpoint (default %(default)s; empty disables)")
+    run.add_argument("--metrics-port", type=int, default=9090, metavar="PORT",
+                     help="serve Prometheus /metrics on this port (default %(default)s; 0 disables)")
+    group = run.add_mutually_exclusive_group()
+    group.add_argument("--peering", default="kvfleet", metavar="NAME",
+                       help="kopf peering object name (default %(default)s): only one operator replica acts")
+    group.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    run.add_argument("--verbose", "-v", action="store_true", help="debug logging")
+    run.set_defaults(func=_run)
+    render = sub.add_parser("render", help="print the children of an InferenceService YAML file")
+    render.add_argument("file", metavar="FILE", help="InferenceService YAML (several documents allowed; - = stdin)")
+    render.set_defaults(func=_render)
+    crd = sub.add_parser("crd", help="print the InferenceService CRD")
+    crd.add_argument("--peering", action="store_true", help="also print kopf's peering CRDs")
+    crd.set_defaults(func=_crd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""End to end: the real kopf runtime (KopfRunner) with the operator's handlers and the autoscaler,
+against KMock's API-server emulator; Pod objects point (status.podIP 127.0.0.1 + their declared
+containerPort) at real Prometheus exposition servers whose vLLM gauges the test sets."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from pathlib import Path
+
+import yaml
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+from prometheus_client.registry import Collector
+
+from kmock_support import running_operator, wait_for
+from kvfleet_operator import api as isvc_api
+
+SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
+AV, PL = isvc_api.API_VERSION, isvc_api.PLURAL
+MODULES = ("kvfleet_operator.handlers", "kvfleet_operator.autoscaler")
+
+
+class _ScrapeCounter(Collector):
+    def __init__(self):
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def collect(self):
+        with self.lock:
+            self.count += 1
+        return []
+
+
+class MetricEndpoint:
+    """A real HTTP /metrics server (prometheus_client) with vLLM's autoscaling gauges."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        labels = ["model_name", "engine"]
+        self._kv = Gauge("vllm:kv_cache_usage_perc", "KV usage", labels, registry=self.registry).labels("smollm2", "0")
+        self._waiting = Gauge("vllm:num_requests_waiting", "waiting", labels, registry=self.registry).labels("smollm2", "0")
+        self._running = Gauge("vllm:num_requests_running", "running", labels, registry=self.registry).labels("smollm2", "0")
+        self.scrapes = _ScrapeCounter()
+        self.registry.register(self.scrapes)
+        self.server, self.thread = start_http_server(0, addr="127.0.0.1", registry=self.registry)
+        self.port = self.server.server_port
+
+    def set(self, kv: float, waiting: float, running: float = 1) -> None:
+        self._kv.set(kv)
+        self._waiting.set(waiting)
+        self._running.set(running)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def pod(name: str, labels: dict, port: int, ready: bool) -> dict:
+    """A Pod as the kubelet reports it: loopback IP, the server container declaring `port`."""
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default", "labels": dict(labels)},
+        "spec": {"containers": [{"name": "kvfleet-server", "image": "kvfleet-server:cpu",
+                                 "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}]},
+        "status": {
+            "phase": "Running", "podIP": "127.0.0.1", "hostIP": "127.0.0.1",
+            "conditions": [{"type": "PodScheduled", "status": "True"},
+                           {"type": "Initialized", "status": "True"},
+                           {"type": "ContainersReady", "status": "True" if ready else "False"},
+                           {"type": "Ready", "status": "True" if ready else "False"}],
+            "containerStatuses": [{"name": "kvfleet-server", "ready": ready, "started": True,
+                                   "restartCount": 0, "image": "kvfleet-server:cpu",
+                                   "imageID": "docker.io/library/kvfleet-server@sha256:" + "0" * 64,
+                                   "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}],
+        },
+    }
+
+
+def autoscaled(name: str) -> dict:
+    obj = yaml.safe_load((SAMPLES / "smollm2-135m-cpu.yaml").read_text())
+    obj["metadata"] = {"name": name, "namespace": "default"}
+    obj["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 4,
+                                  "metricsIntervalSeconds": 1, "scaleDownStabilizationSeconds": 3}
+    return obj
+
+
+async def test_autoscaler_scales_deployment_writes_status_and_events_and_stops_on_delete(api, emulator):
+    name = "chat"
+    e0, e1 = MetricEndpoint(), MetricEndpoint()
+    try:
+        async with running_operator(*MODULES):
+            created = await api.create(AV, PL, "default", autoscaled(name))
+            spec_before = copy.deepcopy(created["spec"])
+            dep = await wait_for(lambda: api.get("apps/v1", "deployments", "default", name))
+            assert dep["spec"]["replicas"] == 1
+            labels = dep["spec"]["template"]["metadata"]["labels"]
+
+            async def replicas() -> int:
+                return (await api.get("apps/v1", "deployments", "default", name))["spec"]["replicas"]
+
+            async def status() -> dict:
+                return (await api.get(AV, PL, "default", name)).get("status") or {}
+
+            # One Ready pod, KV cache nearly full and a queue: 1 -> 2 (step limit: at most double).
+            e0.set(kv=0.95, waiting=12)
+            await api.create("v1", "pods", "default", pod("chat-0", labels, e0.port, ready=True))
+            await wait_for(lambda: _eq(replicas, 2), timeout=20)
+            st = await wait_for(lambda: _status_with(status, "lastScaleTime"))
+            assert st["desiredReplicas"] == 2
+            assert st["autoscaling"]["reason"] == "QueueLengthHigh"
+            assert st["autoscaling"]["message"].startswith("scaled 1→2: waiting requests 12.0/replica > target 5")
+            events = await wait_for(lambda: _events(api, name))
+            assert any(ev["message"].startswith("scaled 1→2:") and ev["reason"] == "ScaledUp"
+                       and ev["involvedObject"]["uid"] == created["metadata"]["uid"] for ev in events)
+
+            # The new replica is starting: the same (even a growing) load asks for nothing more.
+            await api.create("v1", "pods", "default", pod("chat-1", labels, e1.port, ready=False))
+            e0.set(kv=1.0, waiting=30)
+            st = await wait_for(lambda: _status_reason(status, "ReplicasStarting"), timeout=20)
+            assert await replicas() == 2
+
+            # It becomes Ready; both pods idle -> back to minReplicas after the (test-short) window.
+            e1.set(kv=0.05, waiting=0)
+            e0.set(kv=0.05, waiting=0)
+            await api.patch("v1", "pods", "default", "chat-1",
+                            {"status": pod("chat-1", labels, e1.port, ready=True)["status"]},
+                            subresource="status")
+            await wait_for(lambda: _eq(replicas, 1), timeout=25)
+            st = await wait_for(lambda: _status_reason(status, "LoadLow"))
+            assert st["desiredReplicas"] == 1 and st["autoscaling"]["reason"] == "LoadLow"
+            assert st["autoscaling"]["scrapedPods"] == 2
+            events = await _events(api, name)
+            assert any(ev["message"].startswith("scaled 2→1:") and ev["reason"] == "ScaledDown" for ev in events)
+
+            # The user's spec was never written by the operator.
+            live = await api.get(AV, PL, "default", name)
+            assert live["spec"] == spec_before
+            assert not [w for w in emulator.writes
+                        if w["resource"] == PL and w["method"] != "POST" and w["subresource"] is None
+                        and "spec" in (w["data"] or {})]
+
+            # Delete the InferenceService: its loop stops scraping.
+            await api.delete(AV, PL, "default", name)
+            await wait_for(lambda: _gone(api, name), timeout=20)
+            await asyncio.sleep(1.5)  # let a tick that was in flight finish
+            before = e0.scrapes.count + e1.scrapes.count
+            await asyncio.sleep(3.5)  # > 3 metrics intervals
+            assert e0.scrapes.count + e1.scrapes.count == before
+    finally:
+        e0.close()
+        e1.close()
+
+
+async def _eq(fn, value):
+    return await fn() == value
+
+
+async def _status_with(fn, key):
+    st = await fn()
+    return st if (st.get("autoscaling") or {}).get(key) else None
+
+
+async def _status_reason(fn, reason):
+    st = await fn()
+    return st if (st.get("autoscaling") or {}).get("reason") == reason else None
+
+
+async def _events(api, name):
+    return [e for e in await api.list("v1", "events", "default")
+            if e.get("involvedObject", {}).get("name") == name and e.get("reason") in ("ScaledUp", "ScaledDown")]
+
+
+async def _gone(api, name):
+    return await api.get(AV, PL, "default", name) is None

@@ -1,0 +1,212 @@
+"""Unit tests of the pure render: every spec field lands as the right flag, resource, volume or probe."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvfleet_operator import render
+
+
+def isvc(spec: dict, name: str = "m", status: dict | None = None) -> dict:
+    obj = {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceService",
+           "metadata": {"name": name, "namespace": "ns", "uid": "u-1", "generation": 3}, "spec": spec}
+    if status is not None:
+        obj["status"] = status
+    return obj
+
+
+def container(children: render.Children) -> dict:
+    return children.deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+HF = {"model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct"}}
+
+
+def test_defaults_for_omitted_fields():
+    c = render.render(isvc(HF))
+    box, args = container(c), container(c)["args"]
+    assert box["command"] == ["kvfleet-server"]
+    assert flag(args, "--model") == "/models/hf/meta-llama/Llama-3.1-8B-Instruct/main"
+    assert flag(args, "--served-model-name") == "meta-llama/Llama-3.1-8B-Instruct"
+    assert flag(args, "--port") == "8000" and flag(args, "--device") == "cuda" and flag(args, "--dtype") == "auto"
+    assert flag(args, "--block-size") == "16" and flag(args, "--gpu-memory-utilization") == "0.9"
+    assert "--enable-prefix-caching" in args and "--quantization" not in args
+    assert flag(args, "--kv-cache-dtype") == "auto" and flag(args, "--tensor-parallel-size") == "1"
+    assert flag(args, "--shutdown-timeout") == "30"
+    for absent in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--speculative-config",
+                   "--tokenizer"):
+        assert absent not in args
+    assert box["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
+    assert c.deployment["spec"]["replicas"] == 1 and c.pdb is None
+    assert box["image"].startswith("ghcr.io/kvfleet/kvfleet-server:")
+    assert c.service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+                                           "appProtocol": "http"}]
+    assert c.service["spec"]["type"] == "ClusterIP"
+    volumes = {v["name"] for v in c.deployment["spec"]["template"]["spec"]["volumes"]}
+    assert "dshm" not in volumes and "model-cache" in volumes
+
+
+def test_every_engine_field_becomes_a_flag():
+    spec = {**HF, "model": {**HF["model"], "name": "llama", "tokenizer": "/tok"},
+            "engine": {"image": "img:1", "imagePullPolicy": "Always", "dtype": "bfloat16", "quantization": "fp8",
+                       "kvCacheDtype": "fp8", "tensorParallelSize": 2, "gpuMemoryUtilization": 0.85,
+                       "maxModelLen": 8192, "maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "blockSize": 32,
+                       "enablePrefixCaching": False, "shutdownTimeoutSeconds": 60,
+                       "speculative": {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMin": 2,
+                                       "promptLookupMax": 5},
+                       "extraArgs": ["--max-queue-len", "64"],
+                       "env": [{"name": "A", "value": "1"},
+                               {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}}]}}
+    c = render.render(isvc(spec))
+    box = container(c)
+    args = box["args"]
+    assert box["image"] == "img:1" and box["imagePullPolicy"] == "Always"
+    assert flag(args, "--served-model-name") == "llama" and flag(args, "--tokenizer") == "/tok"
+    assert flag(args, "--dtype") == "bfloat16" and flag(args, "--quantization") == "fp8"
+    assert flag(args, "--kv-cache-dtype") == "fp8" and flag(args, "--tensor-parallel-size") == "2"
+    assert flag(args, "--gpu-memory-utilization") == "0.85" and flag(args, "--max-model-len") == "8192"
+    assert flag(args, "--max-num-seqs") == "64" and flag(args, "--max-num-batched-tokens") == "4096"
+    assert flag(args, "--block-size") == "32" and "--no-enable-prefix-caching" in args
+    assert "--enable-prefix-caching" not in args
+    assert flag(args, "--shutdown-timeout") == "60"
+    assert json.loads(flag(args, "--speculative-config")) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    assert args[-2:] == ["--max-queue-len", "64"]  # extraArgs appended last
+    env = {e["name"]: e for e in box["env"]}
+    assert env["A"]["value"] == "1" and env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "s", "key": "t"}
+    pod = c.deployment["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > 60 + render.PRESTOP_SLEEP_SECONDS  # drain never cut short
+    assert box["lifecycle"]["preStop"]["sleep"]["seconds"] == render.PRESTOP_SLEEP_SECONDS
+
+
+def test_eagle3_draft_model_is_downloaded_and_passed():
+    spec = {**HF, "engine": {"speculative": {"method": "eagle3", "numSpeculativeTokens": 5,
+                                             "draftModel": "hf://yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}}}
+    c = render.render(isvc(spec))
+    cfg = json.loads(flag(container(c)["args"], "--speculative-config"))
+    assert cfg == {"method": "eagle3", "num_speculative_tokens": 5,
+                   "model": "/models/hf/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B/main"}
+    inits = c.deployment["spec"]["template"]["spec"]["initContainers"]
+    assert [i["command"][3:] for i in inits] == [
+        ["meta-llama/Llama-3.1-8B-Instruct", "main", "/models/hf/meta-llama/Llama-3.1-8B-Instruct/main"],
+        ["yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "main", "/models/hf/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B/main"]]
+
+
+def test_tp4_gets_four_gpus_and_shared_memory():
+    c = render.render(isvc({**HF, "engine": {"tensorParallelSize": 4}}))
+    box, pod = container(c), c.deployment["spec"]["template"]["spec"]
+    assert box["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in box["volumeMounts"]
+
+
+def test_resources_and_scheduling():
+    spec = {**HF, "resources": {"gpus": 2, "gpuResourceName": "amd.com/gpu", "cpu": 8, "memory": "64Gi"},
+            "scheduling": {"nodeSelector": {"pool": "gpu"}, "priorityClassName": "high", "runtimeClassName": "nvidia",
+                           "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                           "affinity": {"nodeAffinity": {"x": 1}}}}
+    c = render.render(isvc(spec))
+    box, pod = container(c), c.deployment["spec"]["template"]["spec"]
+    assert box["resources"] == {"limits": {"amd.com/gpu": "2", "memory": "64Gi"},
+                                "requests": {"cpu": "8", "memory": "64Gi"}}
+    assert pod["nodeSelector"] == {"pool": "gpu"} and pod["priorityClassName"] == "high"
+    assert pod["runtimeClassName"] == "nvidia" and pod["affinity"] == {"nodeAffinity": {"x": 1}}
+    assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+
+def test_cpu_only_replica():
+    c = render.render(isvc({"model": {"uri": "bundled://smollm2"}, "resources": {"gpus": 0}}))
+    args = container(c)["args"]
+    assert flag(args, "--model") == "smollm2" and flag(args, "--device") == "cpu"
+    assert "--gpu-memory-utilization" not in args
+    assert "limits" not in container(c)["resources"]
+    assert "initContainers" not in c.deployment["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("timeout", [1800, 300, 10, 1805, 1801, 3600, 86400, 17])
+def test_startup_probe_arithmetic(timeout):
+    c = render.render(isvc({**HF, "probes": {"startupTimeoutSeconds": timeout}}))
+    probe = container(c)["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] == timeout
+    assert 1 <= probe["periodSeconds"] <= 10
+    assert probe["httpGet"] == {"path": "/health", "port": "http"}
+    assert c.deployment["spec"]["progressDeadlineSeconds"] > timeout
+
+
+def test_default_startup_probe_and_health_probes():
+    box = container(render.render(isvc(HF)))
+    assert (box["startupProbe"]["periodSeconds"], box["startupProbe"]["failureThreshold"]) == (10, 180)
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert box[probe]["httpGet"] == {"path": "/health", "port": "http"}
+
+
+def test_model_volumes_per_scheme():
+    c = render.render(isvc({"model": {"uri": "pvc://weights/llama/8b"}}))
+    pod = c.deployment["spec"]["template"]["spec"]
+    assert flag(container(c)["args"], "--model") == "/models/pvc/weights/llama/8b"
+    assert {"name": "pvc-weights", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    assert {"name": "pvc-weights", "mountPath": "/models/pvc/weights", "readOnly": True} in container(c)["volumeMounts"]
+    assert flag(container(c)["args"], "--served-model-name") == "8b"
+
+    c = render.render(isvc({"model": {"uri": "file:///opt/models/qwen"}}))
+    assert flag(container(c)["args"], "--model") == "/opt/models/qwen"
+    assert {v["name"] for v in c.deployment["spec"]["template"]["spec"]["volumes"]} == {"tmp"}
+
+    c = render.render(isvc({**HF, "modelCache": {"persistentVolumeClaim": "cache"}}))
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "cache"}} in \
+        c.deployment["spec"]["template"]["spec"]["volumes"]
+    c = render.render(isvc({**HF, "modelCache": {"emptyDir": {"sizeLimit": "40Gi"}}}))
+    assert {"name": "model-cache", "emptyDir": {"sizeLimit": "40Gi"}} in \
+        c.deployment["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "HF_HOME", "value": "/models/.hf-home"} in container(c)["env"]
+
+    with pytest.raises(render.Unrealisable) as err:
+        render.render(isvc({"model": {"uri": "s3://bucket/llama"}}))
+    assert err.value.reason == "UnsupportedModelURI" and "spec.model.uri" in err.value.message
+
+
+def test_pod_security_labels_annotations_strategy_owner():
+    c = render.render(isvc(HF, name="chat"))
+    pod_t = c.deployment["spec"]["template"]
+    pod, box = pod_t["spec"], container(c)
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert box["securityContext"]["allowPrivilegeEscalation"] is False
+    assert box["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert pod_t["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
+                                                "prometheus.io/path": "/metrics"}
+    assert c.deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    for child in (c.deployment, c.service):
+        labels = child["metadata"]["labels"]
+        assert labels["app.kubernetes.io/instance"] == "chat"
+        assert labels["app.kubernetes.io/managed-by"] == "kvfleet-operator"
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceService", "name": "chat", "uid": "u-1",
+            "controller": True, "blockOwnerDeletion": True}]
+    assert c.deployment["spec"]["selector"]["matchLabels"].items() <= pod_t["metadata"]["labels"].items()
+    assert c.service["spec"]["selector"] == c.deployment["spec"]["selector"]["matchLabels"]
+    assert render.selector_string("chat") == "app.kubernetes.io/instance=chat,app.kubernetes.io/name=kvfleet-server"
+
+
+def test_replicas_and_pdb():
+    c = render.render(isvc({**HF, "replicas": 3}))
+    assert c.deployment["spec"]["replicas"] == 3
+    assert c.pdb["spec"] == {"maxUnavailable": 1, "selector": c.deployment["spec"]["selector"]}
+    auto = {**HF, "replicas": 7, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}}
+    assert render.render(isvc(auto)).deployment["spec"]["replicas"] == 2  # minReplicas, spec.replicas ignored
+    assert render.render(isvc(auto, status={"desiredReplicas": 4})).deployment["spec"]["replicas"] == 4
+    assert render.render(isvc(auto, status={"desiredReplicas": 9})).deployment["spec"]["replicas"] == 5
+    spec = render.parse_spec(isvc(auto))
+    assert render.desired_replicas(spec, live_replicas=3, status_desired=4) == 3  # the live count wins
+    assert render.desired_replicas(spec, live_replicas=1, status_desired=None) == 2
+
+
+def test_invalid_spec_names_the_field():
+    with pytest.raises(render.Unrealisable) as err:
+        render.render(isvc({**HF, "engine": {"gpuMemoryUtilization": 1.5}}))
+    assert err.value.reason == "InvalidSpec" and "spec.engine.gpuMemoryUtilization" in err.value.message
