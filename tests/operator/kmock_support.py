@@ -62,7 +62,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     metadata.resourceVersion bumped on every write (kopf's JSON patches test it); metadata.generation
     incremented when a write changes ``spec``; the status subresource accepting only ``status``
     (and the main resource ignoring ``status`` changes, as for CRDs with a status subresource);
-    ``labelSelector`` honoured on list and watch. Still absent (kept for e2e/): schema defaulting
+    ``labelSelector`` honoured on list and watch. ``inject_fault`` makes chosen requests fail (as an
+    overloaded or flaky API server does) to exercise retries. Still absent (kept for e2e/): schema defaulting
     and validation, garbage collection of owned objects, server-side apply.
     """
 
@@ -70,6 +71,11 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self._rv = itertools.count(1000)
         self.writes: list[dict[str, Any]] = []
+        self.faults: list[dict[str, Any]] = []
+
+    def inject_fault(self, method: str, plural: str, times: int = 1, status: int = 500) -> None:
+        """Make the next ``times`` METHOD requests on ``plural`` fail with HTTP ``status`` (API error paths)."""
+        self.faults.append({"method": method.upper(), "plural": plural, "left": times, "status": status})
 
     def _stored(self, request: Any) -> dict[str, Any] | None:
         key = (request.resource, request.namespace, request.name)
@@ -78,6 +84,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         return None
 
     async def _handle(self, request: Any) -> Any:
+        for fault in self.faults:
+            if fault["left"] > 0 and request.resource is not None and request.method.value == fault["method"] \
+                    and request.resource.plural == fault["plural"]:
+                fault["left"] -= 1
+                raise kmock.KubernetesError(status=fault["status"], reason="InjectedFault",
+                                            message=f"injected by the test ({fault['status']})")
         if request.resource is not None and request.method.value not in ("GET", "HEAD"):
             self.writes.append({"method": request.method.value, "resource": request.resource.plural,
                                 "namespace": request.namespace, "name": request.name,

@@ -228,3 +228,47 @@ async def _settle(seconds: float = 1.0):
     """Let the operator process what is in flight (bounded; used only to show nothing more happens)."""
     import asyncio
     await asyncio.sleep(seconds)
+
+
+async def test_api_errors_are_retried_and_child_edits_reverted(api, emulator):
+    from kvfleet_operator import metrics
+
+    errors = metrics.ERRORS.labels(reason="InjectedFault")._value.get()
+    emulator.inject_fault("POST", "deployments", times=1, status=500)
+    obj = sample("smollm2-135m-cpu.yaml")
+    async with running_operator():
+        await api.create(AV, PL, "default", obj)
+        dep = await wait_for(lambda: api.get("apps/v1", "deployments", "default", "smollm2"), timeout=20)
+        assert metrics.ERRORS.labels(reason="InjectedFault")._value.get() == errors + 1
+        # someone edits the server's image in the Deployment: the operator puts the spec's back
+        box = dep["spec"]["template"]["spec"]["containers"][0]
+        edited = {**box, "image": "evil:latest"}
+        await api.patch("apps/v1", "deployments", "default", "smollm2",
+                        {"spec": {"template": {"spec": {"containers": [edited]}}}})
+
+        async def reverted():
+            d = await api.get("apps/v1", "deployments", "default", "smollm2")
+            return d if d["spec"]["template"]["spec"]["containers"][0]["image"] == "kvfleet-server:cpu" else None
+        await wait_for(reverted)
+
+
+async def test_liveness_endpoint(api, emulator, unused_tcp_port):
+    import aiohttp
+    from kmock_support import fast_settings
+    from kopf.testing import KopfRunner
+    import asyncio
+
+    runner = KopfRunner(["run", "-A", "--standalone", "-m", "kvfleet_operator.handlers",
+                         f"--liveness=http://127.0.0.1:{unused_tcp_port}/healthz"], timeout=30,
+                        settings=fast_settings())
+    await asyncio.to_thread(runner.__enter__)
+    try:
+        async def healthy():
+            try:
+                async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{unused_tcp_port}/healthz") as r:
+                    return r.status == 200
+            except aiohttp.ClientError:
+                return False
+        await wait_for(healthy)
+    finally:
+        await asyncio.to_thread(runner.__exit__, None, None, None)

@@ -1,0 +1,107 @@
+"""Unit tests of the pure apply planning (three-way merge patch) and of the status conditions."""
+from __future__ import annotations
+
+import json
+
+from kvfleet_operator import apply, render
+from kvfleet_operator import status as st
+
+
+def test_create_then_noop_when_live_contains_desired():
+    desired = {"metadata": {"name": "a", "labels": {"x": "1"}}, "spec": {"replicas": 2, "template": {"a": [1, 2]}}}
+    action, body = apply.plan(desired, None)
+    assert action == "create" and json.loads(body["metadata"]["annotations"][apply.LAST_APPLIED]) == {
+        "metadata": {"labels": {"x": "1"}}, "spec": {"template": {"a": [1, 2]}}}
+    live = json.loads(json.dumps(body))
+    live["metadata"]["labels"]["other"] = "kept"  # labels and defaults added by others
+    live["spec"]["progressDeadlineSeconds"] = 600
+    live["status"] = {"replicas": 2}
+    assert apply.plan(desired, live) == ("noop", None)
+
+
+def test_patch_only_what_differs_and_remove_what_was_dropped():
+    before = {"metadata": {"name": "a"}, "spec": {"nodeSelector": {"pool": "gpu", "zone": "a"}, "image": "x:1"}}
+    _, live = apply.plan(before, None)
+    live["spec"]["defaulted"] = "by-server"
+    after = {"metadata": {"name": "a"}, "spec": {"nodeSelector": {"pool": "gpu"}, "image": "x:2"}}
+    action, patch = apply.plan(after, live)
+    assert action == "patch"
+    assert patch["spec"] == {"nodeSelector": {"zone": None}, "image": "x:2"}  # defaulted field untouched
+    assert "name" not in patch["metadata"]
+
+
+def test_lists_are_replaced_whole_and_compared_element_wise():
+    desired = {"spec": {"containers": [{"name": "c", "args": ["--a"]}]}}
+    live = {"spec": {"containers": [{"name": "c", "args": ["--a"], "terminationMessagePath": "/dev/x"}]}}
+    assert apply.three_way_patch({}, desired, live) == {}
+    live["spec"]["containers"][0]["args"] = ["--b"]
+    assert apply.three_way_patch({}, desired, live) == desired
+
+
+def test_quantities_compare_by_value():
+    assert apply.contains("1", "1000m") and apply.contains("1Gi", "1024Mi") and apply.contains("4", "4")
+    assert not apply.contains("2", "1") and not apply.contains(4, "4") and not apply.contains("abc", "abd")
+
+
+def test_replicas_not_recorded_so_autoscaler_changes_need_no_write():
+    desired = {"metadata": {"name": "a"}, "spec": {"replicas": 1, "x": 1}}
+    _, live = apply.plan(desired, None)
+    live["spec"]["replicas"] = 3  # the autoscaler scaled; the reconcile renders the live count
+    assert apply.plan({"metadata": {"name": "a"}, "spec": {"replicas": 3, "x": 1}}, live) == ("noop", None)
+
+
+def test_controlled_by():
+    owned = {"metadata": {"ownerReferences": [{"kind": "InferenceService", "uid": "u", "controller": True}]}}
+    assert apply.controlled_by(owned, "u") and not apply.controlled_by(owned, "v")
+    assert not apply.controlled_by({"metadata": {}}, "u")
+
+
+def _dep(gen=1, observed=1, replicas=2, updated=2, ready=2, conditions=()):
+    return {"metadata": {"generation": gen}, "status": {"observedGeneration": observed, "replicas": replicas,
+                                                        "updatedReplicas": updated, "readyReplicas": ready,
+                                                        "conditions": list(conditions)}}
+
+
+def test_rollout_states():
+    assert st.rollout(None, 1)[:3] == (False, True, "Creating")
+    assert st.rollout(_dep(gen=2, observed=1), 2)[:3] == (False, True, "RollingOut")
+    assert st.rollout(_dep(ready=0), 2)[:3] == (False, True, "WaitingForPods")
+    assert st.rollout(_dep(replicas=3, updated=3, ready=2), 3)[:3] == (True, True, "ScalingUp")
+    assert st.rollout(_dep(replicas=2, updated=1, ready=1), 2)[:2] == (False, True)  # old pods still serving
+    assert st.rollout(_dep(), 2)[:3] == (True, False, "Available")
+    stuck = _dep(ready=0, conditions=[{"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "m"}])
+    assert st.rollout(stuck, 2)[:3] == (False, False, "ProgressDeadlineExceeded")
+
+
+def test_conditions_keep_transition_time_and_foreign_types():
+    conds = st.set_condition([{"type": "ScalingActive", "status": "True"}], "Ready", False, "R", "m", "t1", 1)
+    conds = st.set_condition(conds, "Ready", False, "R2", "m2", "t2", 2)
+    ready = st.get_condition({"conditions": conds}, "Ready")
+    assert ready["lastTransitionTime"] == "t1" and ready["reason"] == "R2" and ready["observedGeneration"] == 2
+    conds = st.set_condition(conds, "Ready", True, "Available", "ok", "t3", 2)
+    assert st.get_condition({"conditions": conds}, "Ready")["lastTransitionTime"] == "t3"
+    assert st.get_condition({"conditions": conds}, "ScalingActive") == {"type": "ScalingActive", "status": "True"}
+
+
+def test_compute_status_and_idempotent_patch():
+    obj = {"metadata": {"name": "a", "generation": 4}, "status": {}}
+    new = st.compute_status(obj, _dep(), 2, "http://a.ns.svc:8000/v1", "m", render.selector_string("a"), "t", False)
+    assert new["observedGeneration"] == 4 and new["desiredReplicas"] == 2 and new["readyReplicas"] == 2
+    assert {c["type"]: c["status"] for c in new["conditions"]} == {"Ready": "True", "Progressing": "False",
+                                                                    "Degraded": "False"}
+    obj["status"] = new
+    again = st.compute_status(obj, _dep(), 2, "http://a.ns.svc:8000/v1", "m", render.selector_string("a"), "t2", False)
+    assert st.status_patch(obj["status"], again) == {}  # a second pass writes nothing
+    # with autoscaling on, desiredReplicas belongs to the autoscaler once it wrote it
+    obj["status"]["desiredReplicas"] = 5
+    auto = st.compute_status(obj, _dep(), 2, "u", "m", "s", "t", True)
+    assert "desiredReplicas" not in auto
+
+
+def test_degraded_status():
+    obj = {"metadata": {"generation": 2}, "status": {}}
+    s = st.degraded_status(obj, "UnsupportedModelURI", "spec.model.uri: not supported yet", "t")
+    conds = {c["type"]: c for c in s["conditions"]}
+    assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["reason"] == "UnsupportedModelURI"
+    assert conds["Ready"]["status"] == "False" and conds["Progressing"]["status"] == "False"
+    assert s["observedGeneration"] == 2

@@ -1,0 +1,73 @@
+"""Peering (one acting operator replica), the CLI's module list and argument rules, operator metrics."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import kmock
+import pytest
+from kopf.testing import KopfRunner
+
+from kmock_support import fast_settings, wait_for
+from kvfleet_operator import api as isvc_api
+from kvfleet_operator import cli, peering
+
+PEERINGS = "kopf.dev/v1/clusterkopfpeerings"
+
+
+def test_newer_operator_has_higher_priority():
+    old, new = peering.start_priority(1_700_000_000.0), peering.start_priority(1_700_000_000.5)
+    assert new > old  # a rolling update's new pod takes over, the old one pauses (no tie, no freeze)
+
+
+def test_module_list_includes_the_autoscaler_when_installed():
+    mods = cli.operator_modules()
+    assert mods[0] == "kvfleet_operator.handlers"
+    assert ("kvfleet_operator.autoscaler" in mods) == (importlib.util.find_spec("kvfleet_operator.autoscaler") is not None)
+
+
+def test_run_refuses_namespace_with_all_namespaces(capsys):
+    assert cli.main(["run", "--namespace", "a", "--all-namespaces"]) == 2
+    assert "exclude each other" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", "--peering", "x", "--standalone"])
+
+
+async def test_peering_object_created_and_kept_alive(api, emulator):
+    emulator.resources[PEERINGS] = kmock.ResourceInfo(kind="ClusterKopfPeering", singular="clusterkopfpeering",
+                                                      namespaced=False, verbs={"list", "watch", "get", "patch",
+                                                                               "create"})
+    runner = KopfRunner(["run", "-A", "--peering", "kvfleet", "--priority", "7", "-m", "kvfleet_operator.handlers"],
+                        timeout=30, settings=fast_settings())
+    await asyncio.to_thread(runner.__enter__)
+    try:
+        async def alive():
+            obj = await api.get("kopf.dev/v1", "clusterkopfpeerings", None, "kvfleet")
+            peers = (obj or {}).get("status") or {}
+            return peers if any(p.get("priority") == 7 for p in peers.values() if p) else None
+        await wait_for(alive)
+        # the only peer is not paused: it reconciles
+        obj = {"apiVersion": isvc_api.API_VERSION, "kind": isvc_api.KIND,
+               "metadata": {"name": "p", "namespace": "default"}, "spec": {"model": {"uri": "bundled://smollm2"},
+                                                                         "resources": {"gpus": 0}}}
+        await api.create(isvc_api.API_VERSION, isvc_api.PLURAL, "default", obj)
+        await wait_for(lambda: api.get("apps/v1", "deployments", "default", "p"))
+    finally:
+        await asyncio.to_thread(runner.__exit__, None, None, None)
+
+
+def test_operator_metrics_served_on_metrics(unused_tcp_port):
+    import urllib.request
+
+    from kvfleet_operator import metrics
+
+    metrics.RECONCILES.labels(result="success").inc(0)
+    metrics.ERRORS.labels(reason="Conflict").inc(0)
+    metrics.CHILD_WRITES.labels(kind="deployment", action="create").inc(0)
+    metrics.serve(unused_tcp_port, addr="127.0.0.1")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{unused_tcp_port}/metrics", timeout=5).read().decode()
+    for name in ('kvfleet_operator_reconciles_total{result="success"}',
+                 'kvfleet_operator_reconcile_errors_total{reason="Conflict"}',
+                 "kvfleet_operator_reconcile_duration_seconds_bucket",
+                 'kvfleet_operator_child_writes_total{action="create",kind="deployment"}'):
+        assert name in text
