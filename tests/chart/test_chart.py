@@ -22,7 +22,6 @@ KUBE_VERSIONS = ("1.29.0", "1.35.0")
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 CR_SCHEMAS = {
     "monitoring.coreos.com/v1": SCHEMAS / "servicemonitor-monitoring.coreos.com-v1.json",
-    "kopf.dev/v1": SCHEMAS / "kopfpeering-kopf.dev-v1.json",
 }
 
 
@@ -70,15 +69,13 @@ def test_all_options_render_is_valid(rendered_all):
     got = sorted(m["kind"] for m in rendered_all)
     assert got == sorted(["ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
                           "ServiceAccount", "ServiceMonitor", "Role", "Role", "RoleBinding",
-                          "RoleBinding", "KopfPeering", "KopfPeering"])
+                          "RoleBinding"])
     for m in rendered_all:
         validate_manifest(m)
 
 
-def test_cluster_wide_peering_render_is_valid(helm):
-    manifests = render_chart(helm, sets=["peering.enabled=true"])
-    peering = one(manifests, "ClusterKopfPeering")
-    assert "namespace" not in peering["metadata"]
+def test_standalone_render_is_valid(helm):
+    manifests = render_chart(helm, sets=["peering.enabled=false", "watchNamespaces={a,b}"])
     for m in manifests:
         validate_manifest(m)
 
@@ -153,15 +150,39 @@ def test_probes_hit_kopfs_liveness_endpoint(rendered_default, rendered_all):
             assert c[probe]["httpGet"] == {"path": path, "port": "health"}
 
 
-def test_default_runs_cluster_wide_standalone_with_recreate(rendered_default):
+def test_default_runs_cluster_wide_with_peering(rendered_default):
     dep, c = _container(rendered_default)
     assert c["command"] == ["kvfleet-operator"]
-    assert c["args"][0] == "run"
-    assert "--all-namespaces" in c["args"] and "--standalone" in c["args"]
-    assert not any(a.startswith("--namespace") for a in c["args"])
+    assert c["args"] == ["run", "--all-namespaces", "--liveness=http://0.0.0.0:8080/healthz",
+                         "--metrics-port=9090", "--peering=kvfleet"]
     assert dep["spec"]["replicas"] == 1
-    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    # The new pod outranks the old one in the peering: surge first, then the old one stops.
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
+                                       "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert c["image"] == "ghcr.io/kvfleet/kvfleet-operator:0.1.0"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"  # kopf's peer identity
+
+
+def test_standalone_uses_recreate(helm):
+    dep, c = _container(render_chart(helm, sets=["peering.enabled=false"]))
+    assert "--standalone" in c["args"] and not any(a.startswith("--peering") for a in c["args"])
+    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_args_parse_with_the_operator_cli(rendered_default, rendered_all):
+    """The rendered arguments are accepted by `kvfleet-operator run` itself (its argparse parser)."""
+    cli = pytest.importorskip("kvfleet_operator.cli")
+    for manifests in (rendered_default, rendered_all):
+        _, c = _container(manifests)
+        args = cli.build_parser().parse_args(c["args"])
+        assert args.command == "run"
+    _, c = _container(rendered_all)
+    args = cli.build_parser().parse_args(c["args"])
+    assert args.namespace == ["llm-prod", "llm-staging"] and not args.all_namespaces
+    assert args.peering == "kvfleet-peering" and not args.standalone
+    assert args.metrics_port == 9191 and args.liveness == "http://0.0.0.0:8181/livez"
+    assert args.verbose
 
 
 def test_all_options_land(rendered_all):
@@ -175,9 +196,10 @@ def test_all_options_land(rendered_all):
     args = c["args"]
     assert "--namespace=llm-prod" in args and "--namespace=llm-staging" in args
     assert "--all-namespaces" not in args and "--standalone" not in args
-    assert "--peering=kvfleet-peering" in args and "--priority=10" in args
-    assert "--debug" in args and args[-1] == "--log-format=json"
+    assert "--peering=kvfleet-peering" in args
+    assert "--verbose" in args
     assert "--metrics-port=9191" in args
+    assert dep["spec"]["replicas"] == 2
     assert {"name": "KVFLEET_EXTRA", "value": "1"} in c["env"]
     assert pod["serviceAccountName"] == "kvfleet-operator-sa"
     assert pod["priorityClassName"] == "system-cluster-critical"
@@ -204,24 +226,16 @@ def test_all_options_land(rendered_all):
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s",
                                         "scrapeTimeout": "5s"}]
-    for ns in ("llm-prod", "llm-staging"):
-        assert one(rendered_all, "KopfPeering", ns)["metadata"]["name"] == "kvfleet-peering"
-
-
-def test_peering_defaults_to_rolling_update_without_surge_overlap_loss(helm):
-    manifests = render_chart(helm, sets=["peering.enabled=true"])
-    dep, c = _container(manifests)
-    assert dep["spec"]["strategy"] == {"type": "RollingUpdate",
-                                       "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
-    assert "--peering=kvfleet" in c["args"] and "--standalone" not in c["args"]
 
 
 # --- refusals ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("sets, message", [
-    (["replicaCount=2"], "replicaCount"),
+    (["peering.enabled=false", "replicaCount=2"], "replicaCount"),
+    (["replicaCount=11"], "replicaCount"),
     (["unknownKey=1"], "unknownKey"),
     (["logLevel=loud"], "logLevel"),
+    (["extraArgs={--x}"], "extraArgs"),
     (["image.digest=latest"], "digest"),
     (["watchNamespaces={Bad_NS}"], "watchNamespaces"),
     (["metrics.serviceMonitor.interval=30 seconds"], "interval"),

@@ -1,8 +1,13 @@
 {{- /*
-Rules on cluster-scoped resources (always in the ClusterRole).
-- customresourcedefinitions list/watch: kopf discovers InferenceService and notices CRD changes.
-- namespaces list/watch (namespaced mode only): kopf follows the watched namespaces' lifecycle.
-- clusterkopfpeerings (cluster-wide peering only): kopf's keep-alives and peer observation.
+The operator's permissions, exactly what tests/chart/test_rbac.py derives from the operator's code
+(kopf handlers and Kubernetes API calls) and from kopf's own needs: the test fails when a rule is
+missing and when a rule grants something nothing uses.
+
+Rules on cluster-scoped resources (always in the ClusterRole):
+- customresourcedefinitions list/watch: kopf discovers InferenceService and follows CRD changes.
+- namespaces list/watch (named namespaces only): kopf follows the watched namespaces' lifecycle.
+- clusterkopfpeerings (all namespaces, peering on): the operator creates its peering object at
+  startup (get/create); kopf keeps it alive and watches its peers (list/watch/patch).
 */ -}}
 {{- define "kvfleet.clusterRules" -}}
 - apiGroups: ["apiextensions.k8s.io"]
@@ -16,19 +21,20 @@ Rules on cluster-scoped resources (always in the ClusterRole).
 {{- if and .Values.peering.enabled (include "kvfleet.clusterWide" .) }}
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
-  verbs: ["list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 {{- end }}
 {{- end }}
 
 {{- /*
-Rules on namespaced resources: in the ClusterRole (cluster-wide) or in a Role per watched namespace.
-- inferenceservices: kopf watches them and patches its own annotations/finalizer (never spec).
-- inferenceservices/status: conditions, observedGeneration, replicas, url.
-- inferenceservices/scale: read by the autoscaler (`kubectl scale` and HPAs write it, not us).
-- deployments, services, poddisruptionbudgets: the children, applied and deleted by the operator.
-- pods: read-only, to scrape each serving pod's /metrics for autoscaling.
-- events: kopf and the operator post events on InferenceServices.
-- kopfpeerings (namespaced peering only).
+Rules on namespaced resources: in the ClusterRole (all namespaces) or a Role per watched namespace.
+- inferenceservices: kopf lists/watches them and patches its annotations and finalizer; the
+  reconcile of a child's owner reads it (get). The spec is never written.
+- inferenceservices/status: conditions, observedGeneration, replicas, url, autoscaling.
+- deployments, services, poddisruptionbudgets: the children, read, created, patched, deleted.
+- pods: list, for the autoscaler to scrape each ready serving pod's /metrics.
+- events: kopf's and the autoscaler's Kubernetes Events on InferenceServices.
+- kopfpeerings (named namespaces, peering on): as clusterkopfpeerings above, per namespace.
+Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not the operator.
 */ -}}
 {{- define "kvfleet.namespacedRules" -}}
 - apiGroups: ["serving.kvfleet.dev"]
@@ -36,10 +42,7 @@ Rules on namespaced resources: in the ClusterRole (cluster-wide) or in a Role pe
   verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["serving.kvfleet.dev"]
   resources: ["inferenceservices/status"]
-  verbs: ["get", "patch"]
-- apiGroups: ["serving.kvfleet.dev"]
-  resources: ["inferenceservices/scale"]
-  verbs: ["get"]
+  verbs: ["patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
@@ -51,13 +54,13 @@ Rules on namespaced resources: in the ClusterRole (cluster-wide) or in a Role pe
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
 {{- if and .Values.peering.enabled (not (include "kvfleet.clusterWide" .)) }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
-  verbs: ["list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 {{- end }}
 {{- end }}

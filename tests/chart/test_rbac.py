@@ -1,0 +1,261 @@
+"""The chart's RBAC against the API calls the operator's code makes (rbac_analysis.py).
+
+Sufficiency: every call (kopf handlers, the operator's client, kopf's own needs) is allowed in
+every run mode the chart renders. Least privilege: nothing is granted that no call needs, nothing
+on secrets, no wildcards. And the check is real: removing any single verb of any rendered rule
+makes it fail, naming the code that needs it.
+"""
+from __future__ import annotations
+
+import copy
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from . import rbac_analysis as ra
+from .conftest import VALUES_ALL, render_chart
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "operator" / "kvfleet_operator"
+MODES = {
+    "all-namespaces+peering (default)": dict(sets=[]),
+    "all-namespaces standalone": dict(sets=["peering.enabled=false"]),
+    "named-namespaces+peering (values-all)": dict(values=[VALUES_ALL]),
+    "named-namespaces standalone": dict(sets=["peering.enabled=false", "watchNamespaces={team-a,team-b}"]),
+}
+RBAC_KINDS = {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
+@pytest.fixture(scope="module")
+def code_requirements() -> list[ra.Requirement]:
+    return ra.analyze_package(PACKAGE)
+
+
+@pytest.fixture(scope="module")
+def renders(helm) -> dict[str, list[dict]]:
+    return {mode: render_chart(helm, **kw) for mode, kw in MODES.items()}
+
+
+def _has(reqs, group, resource, verb):
+    return any((r.group, r.resource, r.verb) == (group, resource, verb) for r in reqs)
+
+
+# --- the analysis sees the operator's calls ------------------------------------------------------
+
+def test_analysis_finds_the_operators_calls(code_requirements):
+    reqs = code_requirements
+    # kopf handlers on InferenceService (create/update/resume) and on the children (on.event)
+    assert _has(reqs, "serving.kvfleet.dev", "inferenceservices", "watch")
+    assert _has(reqs, "serving.kvfleet.dev", "inferenceservices", "patch")
+    assert _has(reqs, "apps", "deployments", "watch")
+    # the reconcile's client calls, resolved through the CHILDREN loop (paired group/plural)
+    for group, plural in (("apps", "deployments"), ("", "services"), ("policy", "poddisruptionbudgets")):
+        for verb in ("get", "create", "patch", "delete"):
+            assert _has(reqs, group, plural, verb), (group, plural, verb)
+    assert not _has(reqs, "apps", "services", "get")  # no cross-product of loop values
+    assert _has(reqs, "serving.kvfleet.dev", "inferenceservices/status", "patch")
+    every_source = {r.source.split(":")[0] for r in reqs}
+    assert "kvfleet_operator/handlers.py" in every_source
+
+
+def test_analysis_covers_every_module_that_talks_to_the_api():
+    """A module using the client, kopf handlers or the kubernetes package must be analysed."""
+    analysed = {p.name for p in PACKAGE.glob("*.py")} - {"kube.py", "__init__.py"}
+    for path in PACKAGE.glob("*.py"):
+        text = path.read_text()
+        if any(s in text for s in ("get_client(", "@kopf.", "import kubernetes", "from kubernetes")):
+            assert path.name in analysed or path.name == "kube.py"
+
+
+# --- every mode: sufficient, minimal, no forbidden grants ---------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rbac_covers_exactly_what_the_code_needs(renders, code_requirements, mode):
+    missing, excess = ra.check(renders[mode], code_requirements)
+    assert missing == [], "missing permissions:\n" + "\n".join(missing)
+    assert excess == [], "granted but unused:\n" + "\n".join(excess)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_no_secrets_no_wildcards(renders, mode):
+    rules = [r for m in renders[mode] if m["kind"] in ("ClusterRole", "Role") for r in m["rules"]]
+    assert rules
+    assert ra.forbidden_grants(rules) == []
+
+
+def test_forbidden_grants_are_detected():
+    assert ra.forbidden_grants([{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}])
+    assert ra.forbidden_grants([{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["*"]}])
+    assert ra.forbidden_grants([{"apiGroups": ["*"], "resources": ["pods"], "verbs": ["list"]}])
+    assert ra.forbidden_grants([{"apiGroups": [""], "resources": ["*"], "verbs": ["list"]}])
+    assert ra.forbidden_grants([{"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
+                                 "verbs": ["escalate"]}])
+
+
+# --- the check fails when a permission is removed ------------------------------------------------
+
+def _without(manifests, kind, index, rule_index, verb):
+    out = copy.deepcopy(manifests)
+    obj = [m for m in out if m["kind"] == kind][index]
+    rule = obj["rules"][rule_index]
+    rule["verbs"] = [v for v in rule["verbs"] if v != verb]
+    return out, rule
+
+
+def _all_rule_verbs(manifests):
+    for kind in ("ClusterRole", "Role"):
+        objs = [m for m in manifests if m["kind"] == kind]
+        for i, obj in enumerate(objs):
+            for j, rule in enumerate(obj["rules"]):
+                for verb in rule["verbs"]:
+                    yield kind, i, j, verb
+
+
+@pytest.mark.parametrize("mode", ["all-namespaces+peering (default)", "named-namespaces+peering (values-all)"])
+def test_removing_any_single_permission_fails_the_check(renders, code_requirements, mode):
+    manifests = renders[mode]
+    cases = list(_all_rule_verbs(manifests))
+    assert len(cases) > 20
+    for kind, i, j, verb in cases:
+        broken, rule = _without(manifests, kind, i, j, verb)
+        missing, _ = ra.check(broken, code_requirements)
+        resource = rule["resources"][0]
+        assert any(m.startswith(f"{verb} ") and f"/{resource} " in m for m in missing), (
+            f"dropping {verb} on {resource} from {kind} #{i} went unnoticed")
+
+
+def test_missing_permission_names_the_code(renders, code_requirements):
+    manifests = renders["all-namespaces+peering (default)"]
+    role = next(m for m in manifests if m["kind"] == "ClusterRole")
+    broken = copy.deepcopy(manifests)
+    broken_role = next(m for m in broken if m["kind"] == "ClusterRole")
+    broken_role["rules"] = [r for r in role["rules"] if r["resources"] != ["inferenceservices/status"]]
+    missing, _ = ra.check(broken, code_requirements)
+    assert any("patch serving.kvfleet.dev/inferenceservices/status" in m and "handlers.py" in m for m in missing)
+
+
+def test_role_in_one_watched_namespace_is_not_enough(renders, code_requirements):
+    manifests = [m for m in renders["named-namespaces+peering (values-all)"]
+                 if not (m["kind"] in ("Role", "RoleBinding") and m["metadata"]["namespace"] == "llm-staging")]
+    missing, _ = ra.check(manifests, code_requirements)
+    assert any("pods" in m for m in missing)
+
+
+def test_binding_to_another_service_account_grants_nothing(renders, code_requirements):
+    manifests = copy.deepcopy(renders["all-namespaces+peering (default)"])
+    for m in manifests:
+        if m["kind"] == "ClusterRoleBinding":
+            m["subjects"][0]["name"] = "someone-else"
+    missing, _ = ra.check(manifests, code_requirements)
+    assert len(missing) > 10
+
+
+def test_cluster_wide_mode_needs_cluster_grants(renders, code_requirements):
+    """Roles in some namespaces do not cover an operator that watches all namespaces."""
+    manifests = copy.deepcopy(renders["all-namespaces+peering (default)"])
+    crole = next(m for m in manifests if m["kind"] == "ClusterRole")
+    pods_rule = next(r for r in crole["rules"] if r["resources"] == ["pods"])
+    crole["rules"].remove(pods_rule)
+    manifests += [
+        {"kind": "Role", "metadata": {"name": "r", "namespace": "x"}, "rules": [pods_rule]},
+        {"kind": "RoleBinding", "metadata": {"name": "r", "namespace": "x"},
+         "roleRef": {"kind": "Role", "name": "r"},
+         "subjects": [{"kind": "ServiceAccount", "name": "kvfleet", "namespace": "kvfleet-system"}]},
+    ]
+    missing, _ = ra.check(manifests, code_requirements)
+    assert any(m.startswith("list core/pods (cluster)") for m in missing)
+
+
+# --- the analyser on small programs ------------------------------------------------------------
+
+def _analyze(src: str) -> set[tuple[str, str, str, str]]:
+    return {r.key() for r in ra.analyze_source(textwrap.dedent(src), "kvfleet_operator.synthetic_module")}
+
+
+def test_paired_loop_values_and_subresources():
+    got = _analyze("""
+        from . import kube
+        PAIRS = (("apps/v1", "deployments"), ("v1", "configmaps"))
+
+        async def f(ns):
+            client = kube.get_client()
+            for av, plural in PAIRS:
+                await client.get(av, plural, ns, "x")
+            await client.patch("serving.kvfleet.dev/v1alpha1", "inferenceservices", ns, "x", {},
+                               subresource="status")
+            await client.list("v1", "pods", None)
+    """)
+    assert got == {("apps", "deployments", "get", "namespace"), ("", "configmaps", "get", "namespace"),
+                   ("serving.kvfleet.dev", "inferenceservices/status", "patch", "namespace"),
+                   ("", "pods", "list", "cluster")}
+
+
+def test_annotated_client_parameter_and_conditional_locals():
+    got = _analyze("""
+        from . import kube
+        G = "kopf.dev"
+
+        async def f(client: kube.KubeClient, wide, names):
+            targets = [("clusterkopfpeerings", None)] if wide else [("kopfpeerings", n) for n in names]
+            for plural, ns in targets:
+                await client.create(f"{G}/v1", plural, ns, {})
+    """)
+    assert got == {("kopf.dev", "clusterkopfpeerings", "create", "cluster"),
+                   ("kopf.dev", "kopfpeerings", "create", "namespace")}
+
+
+def test_unresolvable_client_call_is_an_error():
+    with pytest.raises(ra.AnalysisError, match="cannot resolve|resolved to"):
+        _analyze("""
+            from . import kube
+
+            async def f(plural):
+                client = kube.get_client()
+                await client.delete("v1", plural, "ns", "x")
+        """)
+
+
+def test_kopf_handlers_typed_client_and_events():
+    got = _analyze("""
+        import kopf
+        import kubernetes
+
+        @kopf.on.create("example.com", "v1", "widgets")
+        def created(**_):
+            kubernetes.client.CoreV1Api().list_namespaced_pod("ns")
+            kubernetes.client.CustomObjectsApi().patch_namespaced_custom_object_status(
+                "example.com", "v1", "ns", "widgets", "w", {})
+            kopf.info({}, reason="R", message="m")
+
+        @kopf.on.event("", "v1", "configmaps")
+        def seen(**_):
+            pass
+
+        @kopf.timer("example.com/v1", "gadgets", interval=5)
+        def tick(**_):
+            kubernetes.client.AppsV1Api().read_namespaced_deployment_scale("d", "ns")
+    """)
+    assert got == {
+        ("example.com", "widgets", "list", "namespace"), ("example.com", "widgets", "watch", "namespace"),
+        ("example.com", "widgets", "patch", "namespace"),
+        ("", "pods", "list", "namespace"), ("example.com", "widgets/status", "patch", "namespace"),
+        ("", "events", "create", "namespace"),
+        ("", "configmaps", "list", "namespace"), ("", "configmaps", "watch", "namespace"),
+        ("example.com", "gadgets", "list", "namespace"), ("example.com", "gadgets", "watch", "namespace"),
+        ("example.com", "gadgets", "patch", "namespace"),
+        ("apps", "deployments/scale", "get", "namespace"),
+    }
+
+
+def test_http_clients_and_dict_get_are_not_api_calls():
+    got = _analyze("""
+        import httpx
+
+        async def f(urls, d):
+            async with httpx.AsyncClient() as client:
+                for url in urls:
+                    await client.get(url)
+            return d.get("key"), {}.get("v1")
+    """)
+    assert got == set()
