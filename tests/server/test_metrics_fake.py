@@ -5,44 +5,12 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvfleet_server.api import ServerSettings, ServerState, build_app
 from kvfleet_server.metrics import ServerMetrics, build_1_2_5_buckets
 
 from server_fake_engine import FakeEngine
-from server_fixtures import InProcessServer, metric, scrape
-
-GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-          "vllm:gpu_cache_usage_perc", "kvfleet:kv_cache_blocks_total", "kvfleet:kv_cache_blocks_free",
-          "vllm:cache_config_info"]
-COUNTERS = ["vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
-            "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:admission_rejections"]
-HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-              "vllm:request_time_per_output_token_seconds", "vllm:time_per_output_token_seconds",
-              "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-              "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens",
-              "vllm:request_generation_tokens", "vllm:iteration_tokens_total"]
-
-
-def check_exposition(text: str, model_name: str) -> None:
-    """Every vLLM name with its type and the model_name/engine labels (shared with the real-server test)."""
-    fams = {f.name: f for f in text_string_to_metric_families(text)}
-    for name in GAUGES:
-        assert fams[name].type == "gauge", name
-    for name in COUNTERS:
-        assert fams[name].type == "counter", name
-        assert any(s.name == name + "_total" for s in fams[name].samples)
-    for name in HISTOGRAMS:
-        assert fams[name].type == "histogram", name
-    for name in GAUGES[:-1] + COUNTERS + HISTOGRAMS:
-        for s in fams[name].samples:
-            assert s.labels["model_name"] == model_name and s.labels["engine"] == "0", (name, s.labels)
-    info = fams["vllm:cache_config_info"].samples[0].labels
-    assert {"block_size", "num_gpu_blocks", "enable_prefix_caching", "gpu_memory_utilization",
-            "kv_cache_dtype"} <= set(info)
-    assert "vllm:request_success_total" in text and 'finished_reason="stop"' in text
-
+from server_fixtures import InProcessServer, check_exposition, metric, scrape
 
 def test_buckets():
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
