@@ -1,6 +1,7 @@
 -- Argo CD health check for serving.kvfleet.dev/InferenceService.
 -- Healthy:     Ready=True and status.observedGeneration == metadata.generation.
 -- Degraded:    Degraded=True (the operator's reason and message), once the current spec is observed.
+-- Healthy too: spec.replicas 0 without autoscaling, once no pod is left (scaled to zero on purpose).
 -- Progressing: no status yet, the current generation not yet observed, or rolling out / scaling.
 local hs = {}
 
@@ -62,6 +63,15 @@ end
 if current(degraded) and degraded.status == "True" then
   hs.status = "Degraded"
   hs.message = describe(degraded, "InferenceService is degraded")
+  return hs
+end
+
+-- Scaled to zero on purpose (as Argo CD treats a Deployment with 0 replicas): nothing to wait for.
+local spec = obj.spec or {}
+local autoscaling = spec.autoscaling or {}
+if spec.replicas == 0 and autoscaling.enabled ~= true and (status.replicas == nil or status.replicas == 0) then
+  hs.status = "Healthy"
+  hs.message = "Scaled to zero (spec.replicas: 0)"
   return hs
 end
 
