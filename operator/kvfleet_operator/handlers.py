@@ -6,8 +6,9 @@ its controller InferenceService, which is then reconciled). One pass (``reconcil
 
 1. parse and render the spec (pure); a spec that cannot be realised -> status Degraded=True with
    reason and message, no child touched, ``kopf.PermanentError`` (no retry until the spec changes);
-2. read the live children; one that exists but is not controlled by this InferenceService is a
-   conflict (Degraded, permanent) — the operator never adopts objects it did not create;
+2. read the live children; one that exists but is controlled by something else, or is not labelled
+   as this InferenceService's, is a conflict (Degraded, permanent) — the operator never takes over
+   objects it did not create; orphans it did create (``--cascade=orphan``) are adopted;
 3. create or three-way merge-patch each child (``apply``), delete the PDB when no longer wanted;
 4. write the status subresource only when it changed.
 
@@ -43,7 +44,10 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.WARNING  # Kubernetes Events only for warnings and errors
     settings.posting.reporting_component = "kvfleet-operator"
-    settings.execution.max_workers = 4
+    # watch only the operator's own children (server-side filter; big clusters have many Deployments)
+    managed = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())
+    for selector in (("apps", "v1", "deployments"), ("v1", "services"), ("policy", "v1", "poddisruptionbudgets")):
+        settings.watching.label_selectors[selector] = managed
 
 
 @kopf.on.startup()
@@ -108,7 +112,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     uid = obj["metadata"].get("uid")
     live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
     for kind, body in live.items():
-        if body is not None and not apply.controlled_by(body, uid):
+        if body is not None and not apply.controlled_by(body, uid) and not _adoptable(body, name):
             raise render.Unrealisable(
                 "ChildConflict", f"{body.get('kind', kind)} {namespace}/{name} exists and is not controlled by "
                                  f"this InferenceService; delete or rename it")
@@ -141,6 +145,14 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                             render.service_url(name, namespace, spec.service.port), spec.served_model_name,
                             render.selector_string(name), st.now_rfc3339(), spec.autoscaling.enabled)
     return await _write_status(client, obj, new)
+
+
+def _adoptable(child: dict[str, Any], name: str) -> bool:
+    """An orphan left by `kubectl delete --cascade=orphan` of an InferenceService of the same name:
+    labelled as ours and without any controller. The apply then sets our ownerReference (adoption)."""
+    meta = child.get("metadata") or {}
+    has_controller = any(ref.get("controller") for ref in meta.get("ownerReferences") or [])
+    return not has_controller and (meta.get("labels") or {}).get(render.OWNER_LABEL) == name
 
 
 async def _write_status(client: kube.KubeClient, obj: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

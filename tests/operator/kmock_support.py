@@ -114,7 +114,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                     data.pop("status", None)
                 meta = data.setdefault("metadata", {})
                 meta["resourceVersion"] = rv
-                if old is not None and isinstance(data.get("spec"), dict) and request.subresource is None:
+                if old is not None and isinstance(data.get("spec"), dict) \
+                        and request.subresource in (None, "scale"):
                     new_spec = patch_dict(old.get("spec") or {}, data["spec"])
                     if new_spec != (old.get("spec") or {}):
                         meta["generation"] = int(old.get("metadata", {}).get("generation") or 1) + 1

@@ -272,3 +272,46 @@ async def test_liveness_endpoint(api, emulator, unused_tcp_port):
         await wait_for(healthy)
     finally:
         await asyncio.to_thread(runner.__exit__, None, None, None)
+
+
+async def test_orphans_adopted_foreign_objects_refused_scale_subresource(api, emulator):
+    from kvfleet_operator import render
+
+    # an orphan of an earlier InferenceService "orphan" (deleted with --cascade=orphan): adopted
+    await api.create("v1", "services", "default", {"apiVersion": "v1", "kind": "Service", "metadata": {
+        "name": "orphan", "namespace": "default",
+        "labels": {**render.common_labels("orphan"), "extra": "kept"}}, "spec": {"ports": [{"port": 1}]}})
+    # somebody else's Deployment with the name of a new InferenceService: refused, left alone
+    foreign = {"apiVersion": "apps/v1", "kind": "Deployment",
+               "metadata": {"name": "taken", "namespace": "default", "labels": {"app": "mine"}},
+               "spec": {"replicas": 1}}
+    await api.create("apps/v1", "deployments", "default", foreign)
+    async with running_operator():
+        for name in ("orphan", "taken"):
+            obj = sample("smollm2-135m-cpu.yaml")
+            obj["metadata"]["name"] = name
+            await api.create(AV, PL, "default", obj)
+
+        async def adopted():
+            svc = await api.get("v1", "services", "default", "orphan")
+            return svc if svc["metadata"].get("ownerReferences") else None
+        svc = await wait_for(adopted)
+        assert svc["spec"]["ports"][0]["name"] == "http" and svc["metadata"]["labels"]["extra"] == "kept"
+
+        async def conflict():
+            o = await api.get(AV, PL, "default", "taken")
+            return o if cond(o, "Degraded").get("reason") == "ChildConflict" else None
+        live = await wait_for(conflict)
+        assert "Deployment default/taken exists and is not controlled by this InferenceService" in \
+            cond(live, "Degraded")["message"]
+        assert (await api.get("apps/v1", "deployments", "default", "taken"))["spec"] == foreign["spec"]
+        assert await api.get("v1", "services", "default", "taken") is None  # nothing created for it
+
+        # `kubectl scale infsvc/orphan --replicas=3` goes through the scale subresource
+        await api.patch(AV, PL, "default", "orphan", {"spec": {"replicas": 3}}, subresource="scale")
+
+        async def scaled():
+            d = await api.get("apps/v1", "deployments", "default", "orphan")
+            return d if d and d["spec"]["replicas"] == 3 else None
+        await wait_for(scaled)
+        assert await wait_for(lambda: api.get("policy/v1", "poddisruptionbudgets", "default", "orphan"))

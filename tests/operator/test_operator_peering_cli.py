@@ -71,3 +71,41 @@ def test_operator_metrics_served_on_metrics(unused_tcp_port):
                  "kvfleet_operator_reconcile_duration_seconds_bucket",
                  'kvfleet_operator_child_writes_total{action="create",kind="deployment"}'):
         assert name in text
+
+
+async def test_kvfleet_operator_run_subprocess(api, emulator, kubeconfig, unused_tcp_port_factory):
+    """`kvfleet-operator run` as users start it: liveness, /metrics, reconciles, stops on SIGTERM."""
+    import os
+    import signal
+    import sys
+
+    import aiohttp
+
+    live_port, metrics_port = unused_tcp_port_factory(), unused_tcp_port_factory()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvfleet_operator", "run", "--standalone",
+        "--liveness", f"http://127.0.0.1:{live_port}/healthz", "--metrics-port", str(metrics_port),
+        env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        async def get(url):
+            try:
+                async with aiohttp.ClientSession() as s, s.get(url) as r:
+                    return await r.text() if r.status == 200 else None
+            except aiohttp.ClientError:
+                return None
+        await wait_for(lambda: get(f"http://127.0.0.1:{live_port}/healthz"), timeout=30)
+        obj = {"apiVersion": isvc_api.API_VERSION, "kind": isvc_api.KIND,
+               "metadata": {"name": "cli", "namespace": "default"},
+               "spec": {"model": {"uri": "bundled://smollm2"}, "resources": {"gpus": 0}}}
+        await api.create(isvc_api.API_VERSION, isvc_api.PLURAL, "default", obj)
+        await wait_for(lambda: api.get("apps/v1", "deployments", "default", "cli"), timeout=30)
+
+        async def counted():
+            text = await get(f"http://127.0.0.1:{metrics_port}/metrics") or ""
+            return 'kvfleet_operator_reconciles_total{result="success"}' in text
+        await wait_for(counted)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), timeout=30)
+    assert proc.returncode == 0, err.decode()[-2000:]
