@@ -210,3 +210,33 @@ def test_invalid_spec_names_the_field():
     with pytest.raises(render.Unrealisable) as err:
         render.render(isvc({**HF, "engine": {"gpuMemoryUtilization": 1.5}}))
     assert err.value.reason == "InvalidSpec" and "spec.engine.gpuMemoryUtilization" in err.value.message
+
+
+@pytest.mark.parametrize("sample", sorted((__import__("pathlib").Path(__file__).resolve().parents[2]
+                                           / "crds" / "samples").glob("*.yaml")), ids=lambda p: p.name)
+def test_rendered_args_parse_with_kvfleet_server(sample):
+    """Contract with the serving image: every rendered flag is one kvfleet-server's parser accepts."""
+    import yaml
+
+    from kvfleet_server.cli import build_parser
+
+    obj = yaml.safe_load(sample.read_text())
+    box = container(render.render(obj))
+    assert box["command"] == ["kvfleet-server"]
+    args = build_parser().parse_args(box["args"])
+    spec = render.parse_spec(obj)
+    assert args.port == spec.service.port and args.tensor_parallel_size == spec.engine.tensor_parallel_size
+    assert args.enable_prefix_caching is spec.engine.enable_prefix_caching
+    assert args.shutdown_timeout == spec.engine.shutdown_timeout_seconds
+
+
+def test_cpu_sample_is_a_config_the_server_runs():
+    """The kind sample must start: kvfleet-server builds its EngineConfig from the rendered flags."""
+    import yaml
+
+    from kvfleet_server.cli import build_parser, engine_config
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[2]
+    obj = yaml.safe_load((root / "crds" / "samples" / "smollm2-135m-cpu.yaml").read_text())
+    cfg = engine_config(build_parser().parse_args(container(render.render(obj))["args"]))
+    assert (cfg.model, cfg.device, cfg.served_model_name, cfg.max_model_len) == ("smollm2", "cpu", "smollm2", 2048)
