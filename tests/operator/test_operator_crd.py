@@ -200,3 +200,18 @@ def test_crd_command_prints_the_crd():
     with redirect_stdout(out):
         assert cli.main(["crd"]) == 0
     assert out.getvalue() == crdgen.crd_yaml()
+
+
+def test_docs_cover_every_spec_field():
+    text = (ROOT / "docs" / "operator.md").read_text()
+
+    def names(node, where):
+        out = []
+        for name, sub in node.get("properties", {}).items():
+            out.append((f"{where}.{name}".lstrip("."), name))
+            if sub.get("type") == "object":
+                out += names(sub, f"{where}.{name}")
+        return out
+    missing = [path for path, name in names(crdgen.openapi_schema()["properties"]["spec"], "")
+               if name not in text]
+    assert missing == []
