@@ -19,6 +19,7 @@ annotations with the ``kopf.serving.kvfleet.dev`` prefix (survives structural-sc
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from typing import Any
@@ -33,6 +34,7 @@ FINALIZER = "serving.kvfleet.dev/kopf-finalizer"
 CHILD_FILTER = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
 CHILDREN = (("deployment", "apps/v1", "deployments"), ("service", "v1", "services"),
             ("pdb", "policy/v1", "poddisruptionbudgets"))
+CHILD_EVENT_ATTEMPTS = 6  # backoff 1+2+4+8+16+32 s before giving up on a child event
 _locks: dict[tuple[int, str, str], asyncio.Lock] = {}
 
 
@@ -111,21 +113,23 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     render.render(obj)  # surfaces Unrealisable before any request
     uid = obj["metadata"].get("uid")
     live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
-    for kind, body in live.items():
-        if body is not None and not apply.controlled_by(body, uid) and not _adoptable(body, name):
-            raise render.Unrealisable(
-                "ChildConflict", f"{body.get('kind', kind)} {namespace}/{name} exists and is not controlled by "
-                                 f"this InferenceService; delete or rename it")
     live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \
         if spec.autoscaling.enabled else None
     replicas = render.desired_replicas(spec, live_replicas, (obj.get("status") or {}).get("desiredReplicas"))
     children = render.render(obj, replicas)
     desired = {"deployment": children.deployment, "service": children.service, "pdb": children.pdb}
+    ours = {kind: body is not None and (apply.controlled_by(body, uid) or _adoptable(body, name))
+            for kind, body in live.items()}
+    for kind, body in live.items():
+        if body is not None and desired[kind] is not None and not ours[kind]:
+            raise render.Unrealisable(
+                "ChildConflict", f"{body.get('kind', kind)} {namespace}/{name} exists and is not controlled by "
+                                 f"this InferenceService; delete or rename it")
     result: dict[str, Any] = {}
     for kind, av, plural in CHILDREN:
         want, have = desired[kind], live[kind]
         if want is None:
-            if have is not None:
+            if have is not None and ours[kind]:
                 logger.info(f"Deleting {kind} {namespace}/{name} (no longer wanted)")
                 await client.delete(av, plural, namespace, name)
                 metrics.CHILD_WRITES.labels(kind=kind, action="delete").inc()
@@ -182,7 +186,7 @@ async def reconcile_handler(body: kopf.Body, retry: int, logger: logging.Logger,
 
 
 def _plain(body: Any) -> dict[str, Any]:
-    import copy
+    """A deep, mutable copy of kopf's body."""
     return copy.deepcopy(dict(body))
 
 
@@ -199,15 +203,22 @@ async def _child_event(body: kopf.Body, logger: logging.Logger) -> None:
     if owner is None:
         return
     client = kube.get_client()
-    try:
-        obj = await client.get(api.API_VERSION, api.PLURAL, namespace, owner)
-        if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
-            return  # the owner is going away; the garbage collector removes the children
-        await reconcile(obj, logger)
-    except Degraded:
-        pass  # reported in the owner's status; kopf's handler waits for a spec change
-    except kube.ApiError as exc:
-        logger.warning(f"reconcile of {namespace}/{owner} after a child change failed: {exc}")
+    for attempt in range(CHILD_EVENT_ATTEMPTS):
+        try:
+            obj = await client.get(api.API_VERSION, api.PLURAL, namespace, owner)
+            if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
+                return  # the owner is going away; the garbage collector removes the children
+            await reconcile(obj, logger)
+            return
+        except Degraded:
+            return  # reported in the owner's status; kopf's handler waits for a spec change
+        except kube.ApiError as exc:
+            delay = _backoff(attempt)
+            logger.warning(f"reconcile of {namespace}/{owner} after a child change failed, "
+                           f"retrying in {delay:g} s: {exc}")
+            await asyncio.sleep(delay)
+    logger.error(f"giving up on {namespace}/{owner} after {CHILD_EVENT_ATTEMPTS} attempts; "
+                 f"the next change or operator restart reconciles it")
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)

@@ -249,7 +249,16 @@ async def test_api_errors_are_retried_and_child_edits_reverted(api, emulator):
         async def reverted():
             d = await api.get("apps/v1", "deployments", "default", "smollm2")
             return d if d["spec"]["template"]["spec"]["containers"][0]["image"] == "kvfleet-server:cpu" else None
-        await wait_for(reverted)
+        dep = await wait_for(reverted)
+        # the Deployment is deleted while the API server refuses the re-create once: retried, recreated
+        emulator.inject_fault("POST", "deployments", times=1, status=503)
+        await api.delete("apps/v1", "deployments", "default", "smollm2")
+
+        async def recreated():
+            d = await api.get("apps/v1", "deployments", "default", "smollm2")
+            return d if d and d["metadata"]["uid"] != dep["metadata"]["uid"] else None
+        await wait_for(recreated)
+        assert metrics.ERRORS.labels(reason="InjectedFault")._value.get() == errors + 2
 
 
 async def test_liveness_endpoint(api, emulator, unused_tcp_port):
