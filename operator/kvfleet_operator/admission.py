@@ -95,7 +95,8 @@ def _cel(obj: Any, node: dict[str, Any], where: list[Any]) -> list[str]:
                                          if k in ("name", "generateName")}}
         result = env.program(env.compile(rule["rule"])).evaluate({"self": celpy.json_to_cel(value)})
         if isinstance(result, Exception) or not bool(result):
-            field = _path(where) + rule.get("fieldPath", "") or "<root>"
+            field = _path(where) + rule.get("fieldPath", "") or ("metadata.name" if "metadata.name" in rule["rule"]
+                                                                 else "<root>")
             errors.append(f"{field.lstrip('.')}: {rule.get('message', rule['rule'])}")
     if isinstance(obj, dict):
         for name, sub in node.get("properties", {}).items():

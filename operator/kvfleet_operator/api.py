@@ -291,7 +291,7 @@ ROOT_RULES = [
     {"rule": f"self.metadata.name.matches('{DNS1035}')",
      "message": "metadata.name must be a DNS-1035 label (lowercase letters, digits, '-', starting with a letter, "
                 "at most 63 characters): it names the Service",
-     "fieldPath": ".metadata.name", "reason": "FieldValueInvalid"},
+     "reason": "FieldValueInvalid"},  # no fieldPath: the CRD schema does not declare metadata's fields
 ]
 SPEC_RULES = [
     {"rule": "!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus >= "
