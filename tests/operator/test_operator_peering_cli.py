@@ -109,3 +109,37 @@ async def test_kvfleet_operator_run_subprocess(api, emulator, kubeconfig, unused
         proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(proc.communicate(), timeout=30)
     assert proc.returncode == 0, err.decode()[-2000:]
+
+
+async def test_two_operators_only_the_newest_acts(api, emulator):
+    """A rolling update of the operator: old (priority 1) and new (priority 2) run together; one acts."""
+    from kvfleet_operator import metrics
+
+    emulator.resources[PEERINGS] = kmock.ResourceInfo(kind="ClusterKopfPeering", singular="clusterkopfpeering",
+                                                      namespaced=False, verbs={"list", "watch", "get", "patch",
+                                                                               "create"})
+    runners = [KopfRunner(["run", "-A", "--peering", "kvfleet", "--priority", str(p), "-m",
+                           "kvfleet_operator.handlers"], timeout=30, settings=fast_settings()) for p in (1, 2)]
+    for runner in runners:
+        await asyncio.to_thread(runner.__enter__)
+    try:
+        async def both_alive():
+            obj = await api.get("kopf.dev/v1", "clusterkopfpeerings", None, "kvfleet")
+            prios = sorted(p.get("priority") for p in ((obj or {}).get("status") or {}).values() if p)
+            return prios == [1, 2]
+        await wait_for(both_alive)
+        await asyncio.sleep(0.5)  # let the old operator process the peering event and pause
+        done = metrics.RECONCILES.labels(result="success")._value.get()
+        obj = {"apiVersion": isvc_api.API_VERSION, "kind": isvc_api.KIND,
+               "metadata": {"name": "peer", "namespace": "default"},
+               "spec": {"model": {"uri": "bundled://smollm2"}, "resources": {"gpus": 0}}}
+        await api.create(isvc_api.API_VERSION, isvc_api.PLURAL, "default", obj)
+        await wait_for(lambda: api.get("apps/v1", "deployments", "default", "peer"))
+        await asyncio.sleep(1.0)
+        creates = [w for w in emulator.writes if w["method"] == "POST" and w["resource"] == "deployments"]
+        assert len(creates) == 1
+        # one create-time pass plus the pass triggered by the new Deployment's event: not two operators' worth
+        assert metrics.RECONCILES.labels(result="success")._value.get() - done <= 3
+    finally:
+        for runner in reversed(runners):
+            await asyncio.to_thread(runner.__exit__, None, None, None)
