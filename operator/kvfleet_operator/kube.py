@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
 import ssl
 import tempfile
@@ -39,10 +40,18 @@ class ApiError(Exception):
 
 
 def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-    """Credentials as users expect them: in-cluster service account, else kubeconfig."""
+    """Credentials as users expect them: in-cluster service account, else kubeconfig.
+
+    A kubeconfig user without a token, certificate or password (an exec plugin such as
+    gke-gcloud-auth-plugin or aws eks get-token) is resolved through the kubernetes client library."""
     kwargs.setdefault("settings", kopf.OperatorSettings())
-    kwargs.setdefault("logger", None)
+    kwargs.setdefault("logger", logging.getLogger(__name__))
     info = kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    if info is not None and not (info.token or info.certificate_path or info.certificate_data or info.username):
+        try:
+            info = kopf.login_via_client(**kwargs) or info
+        except (kopf.LoginError, ImportError):
+            pass
     set_credentials(info)
     return info
 

@@ -1,0 +1,55 @@
+"""The small async REST client (kube.py) against the API emulator; the emulator's label selectors."""
+from __future__ import annotations
+
+import kopf
+import pytest
+
+from kvfleet_operator import kube
+
+
+def test_resource_paths():
+    assert kube.resource_path("v1", "pods", "ns") == "/api/v1/namespaces/ns/pods"
+    assert kube.resource_path("apps/v1", "deployments", "ns", "d", "scale") == \
+        "/apis/apps/v1/namespaces/ns/deployments/d/scale"
+    assert kube.resource_path("kopf.dev/v1", "clusterkopfpeerings", None, "p") == "/apis/kopf.dev/v1/clusterkopfpeerings/p"
+
+
+def _pod(name: str, labels: dict) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "ns", "labels": labels},
+            "spec": {"containers": [{"name": "c", "image": "i"}]}}
+
+
+async def test_crud_errors_and_label_selectors(api):
+    created = await api.create("v1", "pods", "ns", _pod("a", {"app": "x", "tier": "1"}))
+    assert created["metadata"]["uid"] and created["metadata"]["resourceVersion"]
+    await api.create("v1", "pods", "ns", _pod("b", {"app": "y"}))
+    assert [p["metadata"]["name"] for p in await api.list("v1", "pods", "ns", label_selector="app=x")] == ["a"]
+    assert [p["metadata"]["name"] for p in await api.list("v1", "pods", "ns", label_selector="app!=x")] == ["b"]
+    assert [p["metadata"]["name"] for p in await api.list("v1", "pods", "ns", label_selector="tier")] == ["a"]
+    assert len(await api.list("v1", "pods", "ns")) == 2
+    with pytest.raises(kube.ApiError) as err:
+        await api.create("v1", "pods", "ns", _pod("a", {}))
+    assert err.value.status == 409
+    patched = await api.patch("v1", "pods", "ns", "a", {"metadata": {"labels": {"tier": None}}})
+    assert patched["metadata"]["labels"] == {"app": "x"}
+    await api.delete("v1", "pods", "ns", "a")
+    await api.delete("v1", "pods", "ns", "a")  # absent is fine
+    assert await api.get("v1", "pods", "ns", "a") is None
+
+
+async def test_unreachable_server_is_an_api_error():
+    client = kube.KubeClient(kopf.ConnectionInfo(server="http://127.0.0.1:9", token="t"), timeout_s=2)
+    try:
+        with pytest.raises(kube.ApiError) as err:
+            await client.get("v1", "pods", "ns", "a")
+        assert err.value.status == 503
+    finally:
+        await client.close()
+
+
+async def test_login_reads_kubeconfig(kubeconfig, emulator):
+    info = kube.login()
+    assert info is not None and info.server == str(emulator.url).rstrip("/") and info.token == "test-token"
+    client = kube.get_client()
+    assert await client.get("v1", "pods", "ns", "nothing") is None
+    await kube.close_client()
