@@ -265,3 +265,10 @@ def test_existing_service_account_must_be_named(helm):
 def test_rbac_can_be_left_to_the_cluster_admin(helm):
     manifests = render_chart(helm, sets=["rbac.create=false"])
     assert not {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} & {m["kind"] for m in manifests}
+
+
+def test_kubernetes_older_than_the_crds_need_is_refused(helm):
+    """The CRD's CEL validation rules need Kubernetes 1.29 (Chart.yaml kubeVersion)."""
+    with pytest.raises(HelmError, match="kubeVersion"):
+        run_helm(helm, "template", "kvfleet", str(CHART), "--kube-version", "1.28.0")
+    assert run_helm(helm, "template", "kvfleet", str(CHART), "--kube-version", "1.29.0")
