@@ -272,3 +272,14 @@ def test_kubernetes_older_than_the_crds_need_is_refused(helm):
     with pytest.raises(HelmError, match="kubeVersion"):
         run_helm(helm, "template", "kvfleet", str(CHART), "--kube-version", "1.28.0")
     assert run_helm(helm, "template", "kvfleet", str(CHART), "--kube-version", "1.29.0")
+
+
+def test_versions_agree():
+    """One release number: pyproject's version = Chart appVersion = the default image tags."""
+    import tomllib  # noqa: PLC0415
+
+    version = tomllib.loads((CHART.parents[1] / "pyproject.toml").read_text())["project"]["version"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == version
+    api = pytest.importorskip("kvfleet_operator.api")
+    assert api.DEFAULT_IMAGE.rsplit(":", 1)[1] == version
