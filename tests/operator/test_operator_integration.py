@@ -126,11 +126,20 @@ async def test_unrealisable_spec_is_degraded_and_creates_nothing(api, emulator):
         # a permanent error: kopf does not retry (no new status writes while the spec is unchanged)
         await _settle()
         assert _writes(emulator, PL, "status") == status_writes
+        assert not [w for w in emulator.writes if w["resource"] in ("deployments", "services", "poddisruptionbudgets")]
+        # fixing the spec recovers: children created, Degraded cleared
+        await api.patch(AV, PL, "default", "from-s3", {"spec": {"model": {"uri": "pvc://weights/llama"}}})
+        await wait_for(lambda: api.get("apps/v1", "deployments", "default", "from-s3"))
+
+        async def recovered():
+            o = await api.get(AV, PL, "default", "from-s3")
+            return o if cond(o, "Degraded").get("status") == "False" and o["status"]["observedGeneration"] == 2 \
+                else None
+        await wait_for(recovered)
     c = cond(live, "Degraded")
     assert c["reason"] == "UnsupportedModelURI"
     assert "spec.model.uri" in c["message"] and "s3://" in c["message"] and "not supported yet" in c["message"]
     assert cond(live, "Ready")["status"] == "False"
-    assert not [w for w in emulator.writes if w["resource"] in ("deployments", "services", "poddisruptionbudgets")]
 
 
 async def test_restart_makes_no_duplicates_and_no_writes(api, emulator):
