@@ -216,6 +216,15 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            import torch
+        except ImportError:  # engines without torch (test doubles)
+            self._loop_body()
+            return
+        with torch.inference_mode():  # the serving loop never needs autograd (as vLLM's workers)
+            self._loop_body()
+
+    def _loop_body(self) -> None:
+        try:
             running = True
             self._refresh_stats()
             while running:
