@@ -6,6 +6,8 @@ engine is attached (or loaded in a worker thread) in the app's lifespan and stop
 
 from __future__ import annotations
 
+import asyncio
+import json
 import secrets
 from contextlib import asynccontextmanager
 
@@ -38,7 +40,6 @@ class APIKeyMiddleware:
         if secrets.compare_digest(auth, self.expected):
             await self.app(scope, receive, send)
             return
-        import json
         body = json.dumps(error_body(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
                                      code="invalid_api_key")).encode()
         await send({"type": "http.response.start", "status": 401,
@@ -52,7 +53,6 @@ def build_app(state: ServerState) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        import asyncio
         loader = asyncio.create_task(state.start())
         app.state.loader = loader
         try:
