@@ -34,7 +34,8 @@ queue 5, scale-down window 300 s, capacity on the way); ``queue-only`` (decide()
 waiting queue behaves); ``fixed-peak`` (a constant fleet sized for the busiest 5 minutes).
 
 Reported: replica-hours, fraction of requests whose queueing delay (arrival → first scheduled)
-exceeds the TTFT target, p50/p99 queueing delay, scale events, preemptions.
+exceeds the TTFT target, p50/p99 queueing delay, scale events, reversals (a scale-up within one
+scale-down window after a scale-down: flapping or a new burst), preemptions.
 
 Usage: ``python benchmarks/autoscale_sim.py [--measure] [--seed 0] [--hours 24]``; prints a table
 and writes ``benchmarks/results/autoscale_sim.json``.
@@ -206,6 +207,7 @@ class SimResult:
     scale_ups: int = 0
     scale_downs: int = 0
     preemptions: int = 0
+    reversals: int = 0  # scale-ups within one scale-down window after a scale-down (flapping)
     queue_delays: list = field(default_factory=list)
     timeline: list = field(default_factory=list)  # (t, replicas, ready, waiting)
 
@@ -225,6 +227,7 @@ def simulate(name: str, trace: Trace, fig: dict, *, policy: AutoscalingPolicy | 
     n, i_arr = trace.arrival.size, 0
     horizon = float(trace.arrival[-1]) + 1.0 if n else 0.0
     next_tick = interval
+    last_down = -math.inf
     now = 0.0
     while now < horizon or any(r.load() for r in replicas):
         end = now + dt
@@ -301,10 +304,13 @@ def simulate(name: str, trace: Trace, fig: dict, *, policy: AutoscalingPolicy | 
                 res.scale_events += 1
                 if d.desired_replicas > len(active):
                     res.scale_ups += 1
+                    if now - last_down <= policy.scale_down_stabilization_seconds:
+                        res.reversals += 1
                     for _ in range(d.desired_replicas - len(active)):
                         replicas.append(Replica(created=now, ready_at=now + startup_s))
                 else:
                     res.scale_downs += 1
+                    last_down = now
                     excess = len(active) - d.desired_replicas
                     # Like a ReplicaSet: not-ready pods go first, then the least loaded.
                     for r in sorted(active, key=lambda r: (r.ready_at <= now, r.load()))[:excess]:
@@ -405,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
             "frac_queue_delay_over_target": float((d > args.ttft_target).mean()) if d.size else 0.0,
             "queue_delay_p50_s": float(np.percentile(d, 50)) if d.size else 0.0,
             "queue_delay_p99_s": float(np.percentile(d, 99)) if d.size else 0.0,
-            "scale_events": r.scale_events, "scale_ups": r.scale_ups, "scale_downs": r.scale_downs,
+            "scale_events": r.scale_events, "reversals": r.reversals, "scale_ups": r.scale_ups, "scale_downs": r.scale_downs,
             "peak_replicas": r.peak_replicas, "preemptions": r.preemptions,
             "timeline_per_minute": r.timeline,
         })
@@ -421,13 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trace: {args.hours:g} h, {rows[0]['requests']} requests, peak {peak_rate:.2f} req/s "
           f"(busiest 5 min ~ {args.peak_replicas:g} replicas); startup {args.startup_seconds:g} s "
           f"(assumed); TTFT target {args.ttft_target:g} s queueing delay; sim {wall:.0f} s")
-    hdr = f"{'policy':46s} {'replica-h':>9s} {'>TTFT':>7s} {'p50 q':>7s} {'p99 q':>7s} {'events':>6s} {'peak':>4s}"
+    hdr = f"{'policy':46s} {'replica-h':>9s} {'>TTFT':>7s} {'p50 q':>7s} {'p99 q':>7s} {'events':>6s} {'revers':>6s} {'peak':>4s}"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         print(f"{r['policy']:46s} {r['replica_hours']:9.1f} {100 * r['frac_queue_delay_over_target']:6.2f}% "
               f"{r['queue_delay_p50_s']:6.2f}s {r['queue_delay_p99_s']:6.1f}s {r['scale_events']:6d} "
-              f"{r['peak_replicas']:4d}")
+              f"{r['reversals']:6d} {r['peak_replicas']:4d}")
     out = {"engine_figures_measured": measured, "replica_model": fig, "args": vars(args), "peak_rate_rps": peak_rate,
            "replica_rate_rps": rate1, "results": rows}
     with open(args.out, "w") as f:
