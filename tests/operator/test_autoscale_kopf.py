@@ -173,3 +173,49 @@ async def _events(api, name):
 
 async def _gone(api, name):
     return await api.get(AV, PL, "default", name) is None
+
+
+async def test_unreadable_pod_does_not_block_then_all_unreadable_holds_then_disable(api, emulator):
+    name = "batch"
+    good = MetricEndpoint()
+    dead_port = MetricEndpoint()
+    dead_port.close()  # nothing listens on this port any more: scrapes fail (connection refused)
+    try:
+        async with running_operator(*MODULES):
+            obj = autoscaled(name)
+            obj["spec"]["autoscaling"].update(minReplicas=2, maxReplicas=4, scaleDownStabilizationSeconds=600)
+            obj["spec"]["replicas"] = 1
+            await api.create(AV, PL, "default", obj)
+            dep = await wait_for(lambda: api.get("apps/v1", "deployments", "default", name))
+            assert dep["spec"]["replicas"] == 2  # minReplicas, not spec.replicas
+            labels = dep["spec"]["template"]["metadata"]["labels"]
+
+            async def replicas() -> int:
+                return (await api.get("apps/v1", "deployments", "default", name))["spec"]["replicas"]
+
+            async def status() -> dict:
+                return (await api.get(AV, PL, "default", name)).get("status") or {}
+
+            # One of two Ready pods cannot be read: the other one's load still drives a decision.
+            good.set(kv=1.0, waiting=20)
+            await api.create("v1", "pods", "default", pod("batch-0", labels, good.port, ready=True))
+            await api.create("v1", "pods", "default", pod("batch-1", labels, dead_port.port, ready=True))
+            await wait_for(lambda: _eq(replicas, 4), timeout=20)
+            st = await wait_for(lambda: _status_reason(status, "QueueLengthHigh"))
+            assert st["autoscaling"]["scrapedPods"] == 1 and st["desiredReplicas"] == 4
+
+            # Now neither pod can be read: hold the size, say why, warn once.
+            good.close()
+            st = await wait_for(lambda: _status_reason(status, "MetricsUnavailable"), timeout=20)
+            assert "metrics of 2 of 2 Ready pods unreadable" in st["autoscaling"]["message"]
+            assert await replicas() == 4
+            warnings = [e for e in await api.list("v1", "events", "default")
+                        if e.get("involvedObject", {}).get("name") == name and e.get("type") == "Warning"
+                        and e.get("reason") == "MetricsUnavailable"]
+            assert len(warnings) == 1
+
+            # Autoscaling off: spec.replicas rules again (the reconcile applies it).
+            await api.patch(AV, PL, "default", name, {"spec": {"autoscaling": {"enabled": False}}})
+            await wait_for(lambda: _eq(replicas, 1), timeout=20)
+    finally:
+        good.close()
