@@ -277,7 +277,8 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
     # --- Not enough data: hold (but always honour the bounds). -------------------------------
     hold_why = None
     if n_ready == 0:
-        hold_why = "no Ready pods to measure"
+        hold_why = (f"no Ready pods to measure yet ({len(starting)} starting)" if starting
+                    else "no Ready pods to measure")
     elif n_ready - n_readable > n_ready / 2:
         hold_why = f"metrics of {n_ready - n_readable} of {n_ready} Ready pods unreadable"
     elif not kv_values and not wait_values:
@@ -291,7 +292,8 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
             code = "BelowMinReplicas" if desired > current_replicas else "AboveMaxReplicas"
         else:
             reason = f"holding at {current_replicas}: {hold_why}"
-            code = "MetricsUnavailable"
+            # Nothing Ready yet while pods start (a fresh deployment) is normal, not a failure.
+            code = "ReplicasStarting" if n_ready == 0 and starting else "MetricsUnavailable"
         return finish(desired, reason, (hold_why,), None, recs, code)
 
     # --- Per-metric proposals (HPA formula), larger wins. ------------------------------------

@@ -69,7 +69,8 @@ def test_scale_down_waits_for_highest_recommendation_in_window():
     later = now + 101
     d2 = decide(POLICY, 4, ready(4, kv=0.1), d.history, later)
     assert d2.desired_replicas == 1 and d2.direction == "down"
-    assert "kv cache usage 0.10 < target 0.80" in d2.reason
+    assert "kv cache usage 0.10 < target 0.80" in d2.reason and d2.code == "LoadLow"
+    assert d.code == "ScaleDownStabilizing"
 
 
 def test_scale_down_goes_to_highest_recent_recommendation_not_lowest():
@@ -106,6 +107,7 @@ def test_starting_replicas_suppress_second_scale_up_for_same_load():
     d2 = decide(POLICY, 4, pods, d1.history, now + 15)
     assert d2.desired_replicas == 4 and not d2.changed
     assert any("starting" in h and "capacity on the way" in h for h in d2.holds)
+    assert d2.code == "ReplicasStarting" and d1.code == "QueueLengthHigh"
     # A starting pod older than startupTimeoutSeconds is no longer capacity on the way.
     pods = ready(2, kv=0.7, waiting=20) + starting(2, age=601)
     d3 = decide(POLICY, 4, pods, d1.history, now + 15)
@@ -137,6 +139,15 @@ def test_missing_data_holds_with_reason(pods, hold_part):
     assert d.recommendation is None
     # The hold is recorded as "keep 3": a later scale-down still needs a full window of data.
     assert d.history.recommendations[-1].replicas == 3
+
+
+def test_nothing_ready_yet_while_pods_start_is_not_a_metrics_failure():
+    now = 10_000.0
+    d = decide(POLICY, 2, starting(2), History(), now)
+    assert d.desired_replicas == 2 and d.code == "ReplicasStarting" and "2 starting" in d.reason
+    crashing = [PodObservation("c", ready=False, age_seconds=5, crashing=True)]
+    d = decide(POLICY, 2, crashing, History(), now)
+    assert d.desired_replicas == 2 and d.code == "MetricsUnavailable"
 
 
 def test_hold_still_honours_bounds():
