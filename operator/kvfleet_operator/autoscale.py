@@ -276,8 +276,11 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
 
     # --- Not enough data: hold (but always honour the bounds). -------------------------------
     hold_why = None
+    # Asked-for pods the Deployment controller has not created yet are on their way too (they only
+    # name the hold; they never hold a scale-up, so a Deployment that cannot create pods blocks nothing).
+    on_the_way = len(starting) + max(0, current_replicas - len(pods))
     if n_ready == 0:
-        hold_why = (f"no Ready pods to measure yet ({len(starting)} starting)" if starting
+        hold_why = (f"no Ready pods to measure yet ({on_the_way} starting)" if on_the_way
                     else "no Ready pods to measure")
     elif n_ready - n_readable > n_ready / 2:
         hold_why = f"metrics of {n_ready - n_readable} of {n_ready} Ready pods unreadable"
@@ -293,7 +296,7 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
         else:
             reason = f"holding at {current_replicas}: {hold_why}"
             # Nothing Ready yet while pods start (a fresh deployment) is normal, not a failure.
-            code = "ReplicasStarting" if n_ready == 0 and starting else "MetricsUnavailable"
+            code = "ReplicasStarting" if n_ready == 0 and on_the_way else "MetricsUnavailable"
         return finish(desired, reason, (hold_why,), None, recs, code)
 
     # --- Per-metric proposals (HPA formula), larger wins. ------------------------------------

@@ -145,7 +145,9 @@ def test_nothing_ready_yet_while_pods_start_is_not_a_metrics_failure():
     now = 10_000.0
     d = decide(POLICY, 2, starting(2), History(), now)
     assert d.desired_replicas == 2 and d.code == "ReplicasStarting" and "2 starting" in d.reason
-    crashing = [PodObservation("c", ready=False, age_seconds=5, crashing=True)]
+    d = decide(POLICY, 2, [], History(), now)  # the Deployment controller has not created them yet
+    assert d.desired_replicas == 2 and d.code == "ReplicasStarting"
+    crashing = [PodObservation(f"c{i}", ready=False, age_seconds=5, crashing=True) for i in range(2)]
     d = decide(POLICY, 2, crashing, History(), now)
     assert d.desired_replicas == 2 and d.code == "MetricsUnavailable"
 
