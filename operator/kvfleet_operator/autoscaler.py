@@ -20,8 +20,9 @@ The history lives in the daemon: it starts empty when the operator (re)starts, w
 becomes the active peer, or when autoscaling is re-enabled — the policy then waits one scale-down
 window before scaling down. kopf stops the daemon when the object is deleted, when autoscaling is
 disabled (the ``when`` filter stops matching) and while another operator replica with a higher
-peering priority is active, so only one replica ever scales. Ticks are serialized with the
-reconcile of the same object (its lock), so neither overwrites the other's view of the replicas.
+peering priority is active, so only one replica ever scales. Pods are scraped without locks; the
+apply step holds the reconcile's lock of the same object and drops the decision when the replicas
+changed meanwhile (the next tick decides on fresh data), so neither overwrites the other.
 """
 
 from __future__ import annotations
@@ -140,30 +141,38 @@ async def tick(obj: Mapping[str, Any], state: AutoscalerState, client: kube.Kube
     timeout = scrape_timeout if scrape_timeout is not None else \
         min(MAX_SCRAPE_TIMEOUT_SECONDS, policy.metrics_interval_seconds / 2)
 
+    dep = await client.get("apps/v1", "deployments", namespace, name)
+    if dep is None or not apply.controlled_by(dep, meta.get("uid")):
+        logger.debug(f"autoscaler: no Deployment {namespace}/{name} controlled by it yet")
+        return None
+    current = int((dep.get("spec") or {}).get("replicas", 1))
+    match = ((dep.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    selector = ",".join(f"{k}={v}" for k, v in sorted(match.items()))
+    pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector or None)
+            if _selected(p, match) and not (p.get("metadata") or {}).get("deletionTimestamp")]
+
+    wall = datetime.datetime.now(datetime.UTC)
+    observed = [observe_pod(p, wall) for p in pods]
+    urls = {o.name: pod_metrics_url(p) for o, p in zip(observed, pods) if o.ready}
+    targets = [ScrapeTarget(n, u) for n, u in urls.items() if u is not None]
+    results = {r.name: r for r in await scrape_all(targets, timeout=timeout)}
+    for r in results.values():
+        if r.error:
+            logger.info(f"autoscaler: metrics of pod {r.name} unreadable: {r.error}")
+    observed = [PodObservation(o.name, o.ready, o.age_seconds, o.crashing,
+                               results[o.name].metrics if o.name in results else None)
+                for o in observed]
+    decision = decide(policy, current, observed, state.history, state.clock())
+
+    # Apply under the reconcile's lock of this object, and only if nobody changed the replicas
+    # while the pods were being scraped (else the next tick decides on fresh data).
     async with handlers._lock(namespace, name):
-        dep = await client.get("apps/v1", "deployments", namespace, name)
-        if dep is None or not apply.controlled_by(dep, meta.get("uid")):
-            logger.debug(f"autoscaler: no Deployment {namespace}/{name} controlled by it yet")
-            return None
-        current = int((dep.get("spec") or {}).get("replicas", 1))
-        match = ((dep.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
-        selector = ",".join(f"{k}={v}" for k, v in sorted(match.items()))
-        pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector or None)
-                if _selected(p, match) and not (p.get("metadata") or {}).get("deletionTimestamp")]
-
-        wall = datetime.datetime.now(datetime.UTC)
-        observed = [observe_pod(p, wall) for p in pods]
-        urls = {o.name: pod_metrics_url(p) for o, p in zip(observed, pods) if o.ready}
-        targets = [ScrapeTarget(n, u) for n, u in urls.items() if u is not None]
-        results = {r.name: r for r in await scrape_all(targets, timeout=timeout)}
-        for r in results.values():
-            if r.error:
-                logger.info(f"autoscaler: metrics of pod {r.name} unreadable: {r.error}")
-        observed = [PodObservation(o.name, o.ready, o.age_seconds, o.crashing,
-                                   results[o.name].metrics if o.name in results else None)
-                    for o in observed]
-
-        decision = decide(policy, current, observed, state.history, state.clock())
+        if decision.changed:
+            live = await client.get("apps/v1", "deployments", namespace, name)
+            live_replicas = None if live is None else int((live.get("spec") or {}).get("replicas", 1))
+            if live_replicas != current:
+                logger.info(f"autoscaler: replicas changed to {live_replicas} during the tick; re-deciding next tick")
+                return None
         state.history = decision.history
         now = st.now_rfc3339()
         message = _status_message(decision)
