@@ -35,3 +35,52 @@ def test_stream_chat(client):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == "hello"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+def test_health_is_503_while_loading_then_200():
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def factory():
+        release.wait(10)
+        return FakeEngine()
+
+    state = ServerState(ServerSettings(served_model_names=["fake"]), engine_factory=factory)
+    with TestClient(build_app(state)) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading" and r.headers["retry-after"]
+        release.set()
+        deadline = time.monotonic() + 10
+        while c.get("/health").status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert c.get("/health").status_code == 200
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_engine_failure_turns_health_503_and_requests_503():
+    engine = FakeEngine()
+
+    def broken_step():
+        raise RuntimeError("boom")
+
+    state = ServerState(ServerSettings(served_model_names=["fake"]), engine=engine)
+    with TestClient(build_app(state)) as c:
+        engine.step = broken_step
+        r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and "boom" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 503
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 503
+
+
+def test_n_and_multiple_prompts_and_logprobs(client):
+    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 3, "logprobs": 1,
+                                             "echo": True}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in r["choices"]] == ["ahel", "ahel", "bhel", "bhel"]
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["h", "e", "l"] and lp["text_offset"] == [1, 2, 3]
+    assert r["usage"] == {"prompt_tokens": 2, "completion_tokens": 12, "total_tokens": 14}

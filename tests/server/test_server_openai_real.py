@@ -95,6 +95,13 @@ def test_logprobs(client, model):
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
     assert "".join(lp.tokens) == c.choices[0].text and all(len(t) >= 2 for t in lp.top_logprobs)
+    e = client.completions.create(model=model, prompt="Hello, my name is", max_tokens=3, temperature=0, logprobs=1,
+                                  echo=True)
+    elp = e.choices[0].logprobs
+    assert e.choices[0].text.startswith("Hello, my name is") and elp.token_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in elp.token_logprobs[1:])
+    assert len(elp.tokens) == e.usage.prompt_tokens + 3
+    assert elp.text_offset[e.usage.prompt_tokens] == len("Hello, my name is")
 
 
 def test_n_2(client, model):

@@ -145,7 +145,7 @@ def _finite(x: float) -> float:
 
 
 def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs | None], k: int,
-                        text_offset: int = 0) -> CompletionLogProbs:
+                        text_offset: int = 0, token_text=None) -> CompletionLogProbs:
     """OpenAI legacy ``logprobs`` for /v1/completions.
 
     Args:
@@ -153,15 +153,18 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
         positions: per token, the engine's PositionLogprobs (None for the first prompt token).
         k: how many top alternatives to list per position (the chosen token is always listed too).
         text_offset: character offset of the first token in the returned text.
+        token_text: ``id -> str`` for positions without logprobs (the first prompt token under echo).
     """
     out = CompletionLogProbs()
     offset = text_offset
     for tid, pos in zip(token_ids, positions):
         if pos is None:
-            out.tokens.append("")
+            text = token_text(tid) if token_text is not None else ""
+            out.tokens.append(text)
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
             out.text_offset.append(offset)
+            offset += len(text)
             continue
         lp = _chosen(pos, tid)
         out.tokens.append(lp.decoded)

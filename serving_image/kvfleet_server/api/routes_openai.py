@@ -96,6 +96,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         return prompt_texts[i]
 
     k = body.logprobs
+    piece = getattr(tok, "id_to_piece", None) or (lambda t: tok.decode([t]))
     model = state.model_name
     created = now()
 
@@ -118,7 +119,7 @@ async def create_completion(body: CompletionRequest, request: Request):
                                 if body.echo:
                                     text = prompt_text(i, out) + text
                                     if k is not None and out.prompt_logprobs is not None:
-                                        lp = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, k)
+                                        lp = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, k, 0, piece)
                             if k is not None and c.delta_logprobs:
                                 new = completion_logprobs(c.delta_token_ids, c.delta_logprobs, k,
                                                           offsets[idx] + (len(text) - len(c.delta_text)))
@@ -167,11 +168,12 @@ async def create_completion(body: CompletionRequest, request: Request):
                     text = prompt_text(i, out) + text
                 if k is not None:
                     if body.echo and out.prompt_logprobs is not None:
-                        lp = _concat(completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, k),
+                        lp = _concat(completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, k, 0, piece),
                                      completion_logprobs(c.token_ids, c.logprobs or [], k,
                                                          len(prompt_text(i, out))))
                     else:
-                        lp = completion_logprobs(c.token_ids, c.logprobs or [], k)
+                        lp = completion_logprobs(c.token_ids, c.logprobs or [], k,
+                                                 len(prompt_text(i, out)) if body.echo else 0)
                 completion_tokens += len(c.token_ids)
                 choices.append(CompletionChoice(index=i * body.n + c.index, text=text, logprobs=lp,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
