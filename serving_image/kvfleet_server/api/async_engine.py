@@ -50,6 +50,12 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    fn: object
+    future: asyncio.Future
+
+
 _STOP = object()
 
 
@@ -149,6 +155,18 @@ class AsyncEngine:
                 raise r
         return streams
 
+    async def call(self, fn):
+        """Run ``fn()`` on the engine thread between two steps and return its result.
+
+        For work that touches engine-owned objects which are not thread-safe (the tokenizer used by
+        /tokenize and /detokenize); exceptions propagate to the caller.
+        """
+        if not self.is_running:
+            raise EngineDeadError(str(self.dead_error or "engine loop is not running"))
+        fut = asyncio.get_running_loop().create_future()
+        self._cmds.put(_Call(fn, fut))
+        return await fut
+
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._cmds.put(_Abort(request_id))
@@ -197,6 +215,13 @@ class AsyncEngine:
             if self.metrics is not None:
                 self.metrics.request_added(cmd.request_id, cmd.arrival)
             self._post(_set_result, cmd.future, None)
+        elif isinstance(cmd, _Call):
+            try:
+                result = cmd.fn()
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                self._post(_set_exception, cmd.future, exc)
+            else:
+                self._post(_set_result, cmd.future, result)
         elif isinstance(cmd, _Abort):
             try:
                 self.engine.abort_request(cmd.request_id)

@@ -71,7 +71,8 @@ async def tokenize(body: TokenizeRequest, request: Request):
     else:
         check_text(body.prompt, "prompt")
         text, add_special = body.prompt, body.add_special_tokens
-    ids = list(state.tokenizer.encode(text, add_special_tokens=add_special))
+    tok = state.tokenizer
+    ids = list(await state.engine.call(lambda: tok.encode(text, add_special_tokens=add_special)))
     return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
 
 
@@ -81,4 +82,5 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     state.check_model(body.model)
     state.require_engine()
     check_token_ids(body.tokens, _vocab_size(state.llm), "tokens")
-    return DetokenizeResponse(prompt=state.tokenizer.decode(body.tokens))
+    tok = state.tokenizer
+    return DetokenizeResponse(prompt=await state.engine.call(lambda: tok.decode(body.tokens)))
