@@ -60,3 +60,12 @@ def test_bad_values_name_the_flag():
     out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--max-num-seqs", "0"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--max-num-seqs" in out.stderr
+
+
+def test_model_that_cannot_load_exits_non_zero_with_the_reason(tmp_path):
+    from server_fixtures import free_port
+
+    out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--host", "127.0.0.1", "--port", str(free_port()),
+                          "--model", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "error: loading the model failed" in out.stderr and "missing" in out.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,7 +73,9 @@ class ServerState:
         elif self._factory is not None:
             t0 = time.monotonic()
             try:
-                llm = await asyncio.to_thread(self._factory)
+                llm = await _in_daemon_thread(self._factory)
+            except asyncio.CancelledError:
+                raise
             except BaseException as exc:  # noqa: BLE001 - reported, process exits non-zero
                 logger.exception("loading the engine failed")
                 self.load_error = exc
@@ -141,3 +144,20 @@ class ServerState:
             raise APIError(429, f"the waiting queue is full (--max-queue-len {limit}); retry later",
                            code="queue_full", headers={"Retry-After": str(self.settings.retry_after_s)})
         return engine
+
+
+async def _in_daemon_thread(fn):
+    """Run ``fn()`` in a daemon thread (a SIGTERM during loading must not wait for the load to end)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def work():
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+        else:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+    threading.Thread(target=work, name="kvfleet-load", daemon=True).start()
+    return await fut
