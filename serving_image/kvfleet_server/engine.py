@@ -209,6 +209,10 @@ class LLMEngine:
     # --- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration of continuous batching; returns outputs of requests that got new tokens or finished."""
+        with torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         it = IterationStats(num_preemptions=len(sched.preempted), prefix_cache_queries=sched.prefix_cache_queries,
                             prefix_cache_hits=sched.prefix_cache_hits)
