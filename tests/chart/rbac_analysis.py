@@ -12,7 +12,8 @@ Requirements come from three sources:
 3. kopf itself (``framework_requirements``), read from kopf's source: it lists/watches CRDs to
    discover resources (reactor/observation.py), lists/watches namespaces when it serves named
    namespaces rather than the whole cluster, keeps peering objects alive with patches
-   (engines/peering.py), and posts Events for handler failures (engines/posting.py).
+   (engines/peering.py), and posts log messages as Events only when the operator sets
+   ``settings.posting.loggers = True`` (engines/posting.py; off by default in kopf 1.45).
 
 Call arguments are resolved statically: string constants, f-strings, attributes of the operator's
 own modules (``api.PLURAL``), and names bound by ``for``-loops or comprehensions over module-level
@@ -448,7 +449,18 @@ def analyze_package(package_dir: Path, package: str = "kvfleet_operator",
     return reqs
 
 
-def framework_requirements(*, cluster_wide: bool, peering: bool, posting: bool = True) -> list[Requirement]:
+def posts_log_events(package_dir: Path) -> bool:
+    """Whether the operator turns on kopf's posting of log messages as Events
+    (``settings.posting.loggers = True`` anywhere in the package)."""
+    for path in package_dir.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Assign) and any(ast.unparse(t).endswith("posting.loggers") for t in node.targets):
+                if not (isinstance(node.value, ast.Constant) and node.value.value is False):
+                    return True
+    return False
+
+
+def framework_requirements(*, cluster_wide: bool, peering: bool, posting: bool = False) -> list[Requirement]:
     """What kopf's runtime needs besides the handlers (kopf 1.45: reactor/observation.py,
     engines/peering.py, engines/posting.py)."""
     reqs = [Requirement("apiextensions.k8s.io", "customresourcedefinitions", v, "cluster",
@@ -538,9 +550,10 @@ def applies(req: Requirement, *, cluster_wide: bool, peering: bool) -> bool:
     return True
 
 
-def check(manifests: list[dict], code_requirements: list[Requirement]) -> tuple[list[str], list[str]]:
+def check(manifests: list[dict], code_requirements: list[Requirement],
+          posting: bool = False) -> tuple[list[str], list[str]]:
     """(missing, excess) for a rendered chart: requirements not granted, and granted
-    (group, resource, verb) triples nothing requires. Mode (watched namespaces, peering) is read
+    (group, resource, verb) triples nothing requires. ``posting``: see ``posts_log_events``. Mode (watched namespaces, peering) is read
     from the operator Deployment's arguments, the ServiceAccount from its pod spec."""
     dep = next(m for m in manifests if m["kind"] == "Deployment")
     pod = dep["spec"]["template"]["spec"]
@@ -549,7 +562,8 @@ def check(manifests: list[dict], code_requirements: list[Requirement]) -> tuple[
     namespaces = None if cluster_wide else [a.split("=", 1)[1] for a in args if a.startswith("--namespace=")]
     peering = any(a.startswith("--peering") for a in args)
     grants = grants_for(manifests, pod["serviceAccountName"], dep["metadata"]["namespace"])
-    reqs = [r for r in code_requirements + framework_requirements(cluster_wide=cluster_wide, peering=peering)
+    framework = framework_requirements(cluster_wide=cluster_wide, peering=peering, posting=posting)
+    reqs = [r for r in code_requirements + framework
             if applies(r, cluster_wide=cluster_wide, peering=peering)]
     reqs = [Requirement(r.group, r.resource, r.verb, "cluster" if cluster_wide else r.scope, r.source)
             for r in reqs]

@@ -79,7 +79,7 @@ def test_analysis_covers_every_module_that_talks_to_the_api():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_rbac_covers_exactly_what_the_code_needs(renders, code_requirements, mode):
-    missing, excess = ra.check(renders[mode], code_requirements)
+    missing, excess = ra.check(renders[mode], code_requirements, posting=ra.posts_log_events(PACKAGE))
     assert missing == [], "missing permissions:\n" + "\n".join(missing)
     assert excess == [], "granted but unused:\n" + "\n".join(excess)
 
@@ -89,6 +89,15 @@ def test_no_secrets_no_wildcards(renders, mode):
     rules = [r for m in renders[mode] if m["kind"] in ("ClusterRole", "Role") for r in m["rules"]]
     assert rules
     assert ra.forbidden_grants(rules) == []
+
+
+def test_event_posting_detection(tmp_path):
+    (tmp_path / "a.py").write_text("def configure(settings):\n    settings.posting.loggers = True\n")
+    assert ra.posts_log_events(tmp_path)
+    (tmp_path / "a.py").write_text("def configure(settings):\n    settings.posting.level = 30\n")
+    assert not ra.posts_log_events(tmp_path)
+    reqs = ra.framework_requirements(cluster_wide=True, peering=False, posting=True)
+    assert ("", "events", "create", "namespace") in {r.key() for r in reqs}
 
 
 def test_forbidden_grants_are_detected():

@@ -32,7 +32,7 @@ Rules on namespaced resources: in the ClusterRole (all namespaces) or a Role per
 - inferenceservices/status: conditions, observedGeneration, replicas, url, autoscaling.
 - deployments, services, poddisruptionbudgets: the children, read, created, patched, deleted.
 - pods: list, for the autoscaler to scrape each ready serving pod's /metrics.
-- events: kopf's and the autoscaler's Kubernetes Events on InferenceServices.
+- events: the autoscaler's Kubernetes Events on InferenceServices (scale decisions).
 - kopfpeerings (named namespaces, peering on): as clusterkopfpeerings above, per namespace.
 Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not the operator.
 */ -}}
