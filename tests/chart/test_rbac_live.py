@@ -161,8 +161,10 @@ async def test_operator_life_cycle_under_the_charts_rbac(helm, cluster):
 
         async def reported():
             obj = await admin.get(AV, PL, "default", "live")
-            return obj if (obj.get("status") or {}).get("url") and (obj["status"].get("autoscaling")) else None
+            return obj if (obj.get("status") or {}).get("url") else None
         await support.wait_for(reported)
+        # The autoscaler's daemon ran a tick: it read the Deployment and listed the pods.
+        await support.wait_for(lambda: ("", "pods", "list") in emu.allowed or emu.denied)
 
         await admin.create(AV, PL, "default", _sample("broken", model={"uri": "ftp://models/x"}))
 
