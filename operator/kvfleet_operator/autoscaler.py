@@ -43,6 +43,7 @@ from .autoscale import AutoscalingPolicy, Decision, History, PodObservation, dec
 from .scrape import ScrapeTarget, pod_metrics_url, scrape_all
 
 MAX_SCRAPE_TIMEOUT_SECONDS = 2.0
+DEFAULT_INTERVAL_SECONDS = 15.0  # while the autoscaling spec is invalid
 # Container waiting reasons that mean "broken", not "on its way".
 BROKEN_WAITING_REASONS = frozenset({
     "CrashLoopBackOff", "Error", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
@@ -245,8 +246,9 @@ async def autoscaler_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, logger
     logger.info("autoscaler: started (history empty; scale-down waits one window)")
     while not stopped:
         obj = handlers._plain(body)  # the live body kopf keeps up to date, copied for this tick
-        interval = float((obj.get("spec", {}).get("autoscaling") or {}).get("metricsIntervalSeconds", 15))
+        interval = DEFAULT_INTERVAL_SECONDS
         try:
+            interval = AutoscalingPolicy.from_spec(obj.get("spec") or {}).metrics_interval_seconds
             await tick(obj, state, client, logger)
         except ValueError as exc:
             logger.error(f"autoscaler: invalid autoscaling spec: {exc}")
