@@ -82,7 +82,7 @@ def test_sigterm_drains_in_flight_streams_and_exits_0(tiny_llama_dir, tmp_path):
                 await asyncio.wait_for(started.wait(), 60)
                 assert scrape(srv.url)["vllm:num_requests_running{}"] == 8
                 srv.proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.1)  # let the signal handler run
                 health = await c.get(srv.url + "/health")
                 late = await c.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
                 running = scrape(srv.url)["vllm:num_requests_running{}"]
