@@ -117,3 +117,21 @@ async def test_tick_holds_when_scrapes_fail_and_refuses_bad_spec(api, emulator, 
     with pytest.raises(ValueError, match="minReplicas"):
         await tick(bad, AutoscalerState(), api, LOG)
 
+
+
+async def test_after_a_restart_a_quiet_service_scales_down_one_window_later(api, emulator, monkeypatch):
+    obj = await _setup(api, 1, replicas=4)
+
+    async def idle(targets, timeout):
+        from kvfleet_operator.autoscale import PodMetrics
+        return [ScrapeResult(t.name, PodMetrics(0.02, 0.0, 0.0)) for t in targets]
+    monkeypatch.setattr(autoscaler, "scrape_all", idle)
+    clock = [5000.0]
+    state = AutoscalerState(clock=lambda: clock[0])  # a fresh operator: empty history
+    for _ in range(20):  # 300 s of 15-s ticks: the unknown past counts as "keep 4"
+        d = await tick(obj, state, api, LOG)
+        assert d.desired_replicas == 4 and d.code == "ScaleDownStabilizing"
+        clock[0] += 15
+    d = await tick(obj, state, api, LOG)
+    assert d.changed and d.desired_replicas == 1 and d.code == "LoadLow"
+    assert (await api.get("apps/v1", "deployments", "default", "svc"))["spec"]["replicas"] == 1
