@@ -84,3 +84,31 @@ def test_n_and_multiple_prompts_and_logprobs(client):
     lp = r["choices"][0]["logprobs"]
     assert lp["tokens"] == ["h", "e", "l"] and lp["text_offset"] == [1, 2, 3]
     assert r["usage"] == {"prompt_tokens": 2, "completion_tokens": 12, "total_tokens": 14}
+
+
+def test_requests_queued_when_the_engine_dies_get_503_not_a_hang():
+    import threading
+
+    engine = FakeEngine(step_delay=0.05)
+    state = ServerState(ServerSettings(served_model_names=["fake"]), engine=engine)
+    entered = threading.Event()
+
+    def dying_step():
+        entered.set()
+        import time
+        time.sleep(0.3)  # adds queue up meanwhile
+        raise RuntimeError("boom")
+
+    with TestClient(build_app(state)) as c:
+        first = threading.Thread(target=lambda: c.post("/v1/completions", json={"prompt": "x", "max_tokens": 50}))
+        engine.step = dying_step
+        first.start()
+        entered.wait(5)
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(
+            c.post("/v1/completions", json={"prompt": "y", "max_tokens": 2}).status_code)) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads + [first]:
+            t.join(15)
+        assert results == [503, 503, 503]

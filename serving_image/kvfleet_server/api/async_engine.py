@@ -288,6 +288,17 @@ class AsyncEngine:
             self._post(self._fail_all, exc)
         finally:
             self._stopped.set()
+            self._fail_queued_commands(EngineDeadError(str(self.dead_error or "engine loop stopped")))
+
+    def _fail_queued_commands(self, exc: BaseException) -> None:
+        """Answer adds and calls that the stopped loop will never run (their handlers would wait forever)."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, (_Add, _Call)):
+                self._post(_set_exception, cmd.future, exc)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:
