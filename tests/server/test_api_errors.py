@@ -49,6 +49,15 @@ def test_not_supported_yet_is_400(client):
     assert "not supported yet" in err["message"]
 
 
+@pytest.mark.parametrize("extra", [{"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                   {"response_format": {"type": "json_object"}}, {"tool_choice": "required"},
+                                   {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}])
+def test_chat_features_not_built_are_refused(client, extra):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
+    err = _err(client.post("/v1/chat/completions", json=body), 400)
+    assert "not supported yet" in err["message"]
+
+
 def test_chat_template_refusal_is_400_with_template_message(client):
     err = _err(client.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "s"}]}), 400)
     assert "user message" in err["message"]

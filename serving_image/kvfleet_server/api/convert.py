@@ -58,6 +58,13 @@ def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
 
 def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     """SamplingParams for /v1/chat/completions (``logprobs: true`` alone means the chosen token only)."""
+    if req.tools:
+        raise UnsupportedFeatureError("not supported yet: tools (function calling)")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise UnsupportedFeatureError("not supported yet: tool_choice")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise UnsupportedFeatureError(f"not supported yet: response_format {req.response_format.get('type')!r} "
+                                      "(structured output)")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     if req.top_logprobs is not None and not (0 <= req.top_logprobs <= 20):

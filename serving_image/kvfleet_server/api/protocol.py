@@ -92,6 +92,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    tools: list[dict] | None = Field(None, description="refused: not supported yet")
+    tool_choice: str | dict | None = Field(None, description="only none/auto without tools")
+    response_format: dict | None = Field(None, description="only {'type': 'text'}")
 
 
 class TokenizeRequest(_Request):
