@@ -112,3 +112,28 @@ def test_requests_queued_when_the_engine_dies_get_503_not_a_hang():
         for t in threads + [first]:
             t.join(15)
         assert results == [503, 503, 503]
+
+
+def test_stream_chat_logprobs_and_n(client):
+    with client.stream("POST", "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "stream": True, "n": 2,
+            "logprobs": True, "top_logprobs": 2}) as r:
+        chunks = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]
+    assert sorted(roles) == [0, 1]
+    content = [c["choices"][0] for c in chunks if c["choices"][0]["delta"].get("content")]
+    assert len(content) == 6
+    for ch in content:
+        (entry,) = ch["logprobs"]["content"]
+        assert entry["token"] == ch["delta"]["content"] and len(entry["top_logprobs"]) == 2
+    assert all("usage" not in c for c in chunks)  # include_usage not asked
+
+
+def test_stream_completion_usage(client):
+    with client.stream("POST", "/v1/completions", json={
+            "prompt": "x", "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == "hello wo"
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["prompt_tokens"] == 1 and all(c["usage"] is None for c in chunks[:-1])
