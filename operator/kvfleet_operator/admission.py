@@ -4,7 +4,8 @@ Given the CRD's structural schema: ``apply_defaults`` (schema defaults, recursiv
 server's defaulting does), ``prune`` (drops fields the schema does not declare, as structural
 pruning does; ``x-kubernetes-preserve-unknown-fields`` subtrees are kept), and ``validate``
 (OpenAPI v3 validation with jsonschema's Draft 4 semantics, which match OpenAPI 3.0's boolean
-exclusiveMinimum, then every ``x-kubernetes-validations`` CEL rule evaluated with cel-python).
+exclusiveMinimum, unique keys of ``x-kubernetes-list-type: map`` lists, then every
+``x-kubernetes-validations`` CEL rule evaluated with cel-python).
 Used by ``kvfleet-operator render`` and by the tests; jsonschema and cel-python are imported lazily.
 """
 from __future__ import annotations
@@ -70,8 +71,30 @@ def validate(obj: dict[str, Any], node: dict[str, Any] | None = None) -> list[st
     obj = apply_defaults(obj, node)
     errors = [f"{_path(e.absolute_path) or '<root>'}: {e.message}"
               for e in sorted(jsonschema.Draft4Validator(_strip_k8s(node)).iter_errors(obj), key=str)]
+    errors += _list_map_keys(obj, node, [])
     if not errors:
         errors += _cel(obj, node, [])
+    return errors
+
+
+def _list_map_keys(obj: Any, node: dict[str, Any], where: list[Any]) -> list[str]:
+    """``x-kubernetes-list-type: map`` lists: the API server refuses two items with the same keys."""
+    errors: list[str] = []
+    if isinstance(obj, list) and node.get("x-kubernetes-list-type") == "map":
+        keys = node.get("x-kubernetes-list-map-keys", [])
+        seen: set[tuple[Any, ...]] = set()
+        for i, item in enumerate(obj):
+            key = tuple((item or {}).get(k) for k in keys) if isinstance(item, dict) else (item,)
+            if key in seen:
+                errors.append(f"{_path(where + [i])}: Duplicate value: {dict(zip(keys, key))}")
+            seen.add(key)
+    if isinstance(obj, dict):
+        for name, sub in node.get("properties", {}).items():
+            if name in obj:
+                errors += _list_map_keys(obj[name], sub, where + [name])
+    elif isinstance(obj, list) and "items" in node:
+        for i, item in enumerate(obj):
+            errors += _list_map_keys(item, node["items"], where + [i])
     return errors
 
 

@@ -23,9 +23,26 @@ PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ["infsvc"]
 DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet-server:0.1.0"
-MODEL_URI_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*|s3://[a-z0-9][a-z0-9.-]*(/[^\s]*)?|bundled://smollm2)$"
+MODEL_URI_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]+|s3://[a-z0-9][a-z0-9.-]*(/[^\s]*)?|bundled://smollm2)$"
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 DNS1035 = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+# kvfleet-server flags the operator renders from spec fields (flag -> field). extraArgs may not repeat
+# them (the last occurrence would win: e.g. --port would move the server away from its probes and
+# Service), nor abbreviate them (argparse accepts unique prefixes). Checked by the model validator
+# (render and the reconcile refuse: Degraded InvalidSpec), not by CEL: prefix matching over up to 64
+# unbounded strings would risk the API server's CEL cost budget.
+RENDERED_FLAGS = {
+    "--model": "spec.model.uri", "--served-model-name": "spec.model.name", "--tokenizer": "spec.model.tokenizer",
+    "--host": "(always 0.0.0.0)", "--port": "spec.service.port", "--device": "spec.resources.gpus",
+    "--dtype": "spec.engine.dtype", "--block-size": "spec.engine.blockSize",
+    "--gpu-memory-utilization": "spec.engine.gpuMemoryUtilization", "--max-model-len": "spec.engine.maxModelLen",
+    "--max-num-seqs": "spec.engine.maxNumSeqs", "--max-num-batched-tokens": "spec.engine.maxNumBatchedTokens",
+    "--enable-prefix-caching": "spec.engine.enablePrefixCaching",
+    "--no-enable-prefix-caching": "spec.engine.enablePrefixCaching",
+    "--quantization": "spec.engine.quantization", "--kv-cache-dtype": "spec.engine.kvCacheDtype",
+    "--tensor-parallel-size": "spec.engine.tensorParallelSize", "--speculative-config": "spec.engine.speculative",
+    "--shutdown-timeout": "spec.engine.shutdownTimeoutSeconds",
+}
 
 
 class _Model(BaseModel):
@@ -79,6 +96,8 @@ class SpeculativeConfig(_Model):
     def _rules(self) -> "SpeculativeConfig":
         if self.method in ("draft", "eagle3") and not self.draft_model:
             raise ValueError("spec.engine.speculative.draftModel is required when method is draft or eagle3")
+        if self.method not in ("draft", "eagle3") and self.draft_model:
+            raise ValueError("spec.engine.speculative.draftModel is only valid with method draft or eagle3")
         if self.method is None and self.num_speculative_tokens is not None:
             raise ValueError("spec.engine.speculative.numSpeculativeTokens requires spec.engine.speculative.method")
         if self.method != "ngram" and (self.prompt_lookup_min is not None or self.prompt_lookup_max is not None):
@@ -101,12 +120,24 @@ class EnvSource(_Model):
     secret_key_ref: EnvKeyRef | None = Field(default=None, description="A key of a Secret (e.g. HF_TOKEN).")
     config_map_key_ref: EnvKeyRef | None = Field(default=None, description="A key of a ConfigMap.")
 
+    @model_validator(mode="after")
+    def _one(self) -> "EnvSource":
+        if (self.secret_key_ref is None) == (self.config_map_key_ref is None):
+            raise ValueError("spec.engine.env[].valueFrom: set exactly one of secretKeyRef or configMapKeyRef")
+        return self
+
 
 class EnvVar(_Model):
     """An environment variable of the server container (and of the model download init container)."""
     name: str = Field(description="Variable name.", pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=256)
     value: str | None = Field(default=None, description="Literal value.", max_length=32768)
     value_from: EnvSource | None = Field(default=None, description="Value from a Secret or ConfigMap key.")
+
+    @model_validator(mode="after")
+    def _one(self) -> "EnvVar":
+        if self.value is not None and self.value_from is not None:
+            raise ValueError(f"spec.engine.env[{self.name}]: set value or valueFrom, not both")
+        return self
 
 
 class EngineConfig(_Model):
@@ -140,9 +171,26 @@ class EngineConfig(_Model):
                     "terminationGracePeriodSeconds is derived from it.")
     speculative: SpeculativeConfig | None = Field(default=None, description="Speculative decoding.")
     extra_args: list[str] = Field(default_factory=list, max_length=64,
-                                  description="Extra kvfleet-server flags, appended after the rendered ones.")
+                                  description="Extra kvfleet-server flags, appended after the rendered ones "
+                                              "(flags rendered from spec fields, e.g. --port, are refused).")
     env: list[EnvVar] = Field(default_factory=list, max_length=64,
-                              description="Environment variables of the server container.")
+                              description="Environment variables of the server container (names unique).",
+                              json_schema_extra={"x-kubernetes-list-type": "map",
+                                                 "x-kubernetes-list-map-keys": ["name"]})
+
+    @model_validator(mode="after")
+    def _rules(self) -> "EngineConfig":
+        for arg in self.extra_args:
+            option = arg.split("=", 1)[0]
+            flag = next((f for f in RENDERED_FLAGS if len(option) > 2 and f.startswith(option)), None)
+            if option.startswith("--") and flag is not None:
+                raise ValueError(f"spec.engine.extraArgs: {arg!r} overrides the rendered flag {flag} "
+                                 f"(set {RENDERED_FLAGS[flag]} instead)")
+        names = [v.name for v in self.env]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"spec.engine.env: duplicate names {dup}")
+        return self
 
 
 class Autoscaling(_Model):
@@ -313,6 +361,9 @@ SPECULATIVE_RULES = [
     {"rule": "!has(self.method) || !(self.method in ['draft', 'eagle3']) || has(self.draftModel)",
      "message": "spec.engine.speculative.draftModel is required when method is draft or eagle3",
      "fieldPath": ".draftModel", "reason": "FieldValueRequired"},
+    {"rule": "(has(self.method) && self.method in ['draft', 'eagle3']) || !has(self.draftModel)",
+     "message": "spec.engine.speculative.draftModel is only valid with method draft or eagle3",
+     "fieldPath": ".draftModel", "reason": "FieldValueForbidden"},
     {"rule": "has(self.method) || !has(self.numSpeculativeTokens)",
      "message": "spec.engine.speculative.numSpeculativeTokens requires spec.engine.speculative.method",
      "fieldPath": ".numSpeculativeTokens", "reason": "FieldValueForbidden"},
@@ -322,6 +373,15 @@ SPECULATIVE_RULES = [
     {"rule": "!has(self.promptLookupMin) || !has(self.promptLookupMax) || self.promptLookupMin <= self.promptLookupMax",
      "message": "spec.engine.speculative.promptLookupMin must be <= promptLookupMax",
      "fieldPath": ".promptLookupMin", "reason": "FieldValueInvalid"},
+]
+ENV_RULES = [  # one env item
+    {"rule": "!(has(self.value) && has(self.valueFrom))",
+     "message": "spec.engine.env[]: set value or valueFrom, not both", "reason": "FieldValueForbidden"},
+]
+ENV_SOURCE_RULES = [
+    {"rule": "has(self.secretKeyRef) != has(self.configMapKeyRef)",
+     "message": "spec.engine.env[].valueFrom: set exactly one of secretKeyRef or configMapKeyRef",
+     "reason": "FieldValueInvalid"},
 ]
 MODEL_CACHE_RULES = [
     {"rule": "!(has(self.persistentVolumeClaim) && has(self.emptyDir))",

@@ -54,6 +54,14 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """SafeDumper without &anchors/*aliases: rendered children share sub-objects (probe actions, env),
+    and reviewers of a GitOps pull request should see every field spelled out."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def _render(args: argparse.Namespace) -> int:
     from . import admission, render
 
@@ -63,9 +71,10 @@ def _render(args: argparse.Namespace) -> int:
     for doc in yaml.safe_load_all(text):
         if not doc:
             continue
-        if doc.get("apiVersion") != api.API_VERSION or doc.get("kind") != api.KIND:
-            print(f"error: {args.file}: expected apiVersion {api.API_VERSION} kind {api.KIND}, got "
-                  f"{doc.get('apiVersion')} {doc.get('kind')}", file=sys.stderr)
+        if not isinstance(doc, dict) or doc.get("apiVersion") != api.API_VERSION or doc.get("kind") != api.KIND:
+            got = f"{doc.get('apiVersion')} {doc.get('kind')}" if isinstance(doc, dict) else type(doc).__name__
+            print(f"error: {args.file}: expected apiVersion {api.API_VERSION} kind {api.KIND}, got {got}",
+                  file=sys.stderr)
             failed = True
             continue
         name = (doc.get("metadata") or {}).get("name", "?")
@@ -86,7 +95,7 @@ def _render(args: argparse.Namespace) -> int:
     if out:
         sys.stdout.write("# Rendered by `kvfleet-operator render`; in a cluster each object also gets an\n"
                          "# ownerReference to its InferenceService.\n")
-        sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False, width=120))
+        sys.stdout.write(yaml.dump_all(out, Dumper=_PlainDumper, sort_keys=False, width=120))
     return 2 if failed else 0
 
 

@@ -35,6 +35,8 @@ _RULES_AT = {  # JSON path of the schema node -> CEL rules
     ("spec",): api.SPEC_RULES,
     ("spec", "autoscaling"): api.AUTOSCALING_RULES,
     ("spec", "engine", "speculative"): api.SPECULATIVE_RULES,
+    ("spec", "engine", "env", "[]"): api.ENV_RULES,
+    ("spec", "engine", "env", "[]", "valueFrom"): api.ENV_SOURCE_RULES,
     ("spec", "modelCache"): api.MODEL_CACHE_RULES,
 }
 
@@ -112,8 +114,8 @@ def _object_defaults(model: type[BaseModel], node: dict[str, Any]) -> None:
 def _attach_rules(schema: dict[str, Any]) -> None:
     for path, rules in _RULES_AT.items():
         node = schema
-        for part in path:
-            node = node["properties"][part]
+        for part in path:  # "[]": the items of an array
+            node = node["items"] if part == "[]" else node["properties"][part]
         node["x-kubernetes-validations"] = copy.deepcopy(rules)
 
 

@@ -7,9 +7,12 @@ its controller InferenceService, which is then reconciled). One pass (``reconcil
 1. parse and render the spec (pure); a spec that cannot be realised -> status Degraded=True with
    reason and message, no child touched, ``kopf.PermanentError`` (no retry until the spec changes);
 2. read the live children; one that exists but is controlled by something else, or is not labelled
-   as this InferenceService's, is a conflict (Degraded, permanent) — the operator never takes over
-   objects it did not create; orphans it did create (``--cascade=orphan``) are adopted;
-3. create or three-way merge-patch each child (``apply``), delete the PDB when no longer wanted;
+   as this InferenceService's, is a conflict (Degraded ``ChildConflict``, retried with backoff so
+   that removing the object in the way is enough) — the operator never takes over objects it did
+   not create; orphans it did create (``--cascade=orphan``) are adopted;
+3. create or three-way merge-patch each child (``apply``), delete the PDB when no longer wanted; a
+   child the API server refuses as invalid (422, e.g. a malformed affinity or toleration) is
+   Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec;
 4. write the status subresource only when it changed.
 
 API errors raise ``kopf.TemporaryError`` with exponential backoff (1, 2, 4 … 60 s). The
@@ -78,7 +81,13 @@ def _lock(namespace: str, name: str) -> asyncio.Lock:
 
 
 class Degraded(Exception):
-    """Raised by ``reconcile`` after it reported Degraded=True (the reason is in the status)."""
+    """Raised by ``reconcile`` after it reported Degraded=True (the reason is in the status).
+
+    ``retryable``: retry with backoff (the cause is outside the spec) rather than wait for a spec change."""
+
+    def __init__(self, message: str, retryable: bool = False):
+        super().__init__(message)
+        self.retryable = retryable
 
 
 async def reconcile(obj: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
@@ -98,7 +107,7 @@ async def reconcile(obj: dict[str, Any], logger: logging.Logger | logging.Logger
             metrics.RECONCILES.labels(result="degraded").inc()
             logger.error(f"Degraded ({exc.reason}): {exc.message}")
             await _write_status(client, obj, st.degraded_status(obj, exc.reason, exc.message, st.now_rfc3339()))
-            raise Degraded(f"{exc.reason}: {exc.message}") from None
+            raise Degraded(f"{exc.reason}: {exc.message}", exc.retryable) from None
         except kube.ApiError as exc:
             metrics.RECONCILES.labels(result="error").inc()
             metrics.ERRORS.labels(reason=exc.reason).inc()
@@ -124,7 +133,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
         if body is not None and desired[kind] is not None and not ours[kind]:
             raise render.Unrealisable(
                 "ChildConflict", f"{body.get('kind', kind)} {namespace}/{name} exists and is not controlled by "
-                                 f"this InferenceService; delete or rename it")
+                                 f"this InferenceService; delete or rename it", retryable=True)
     result: dict[str, Any] = {}
     for kind, av, plural in CHILDREN:
         want, have = desired[kind], live[kind]
@@ -135,14 +144,20 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                 metrics.CHILD_WRITES.labels(kind=kind, action="delete").inc()
             continue
         action, body = apply.plan(want, have)
-        if action == "create":
-            logger.info(f"Creating {kind} {namespace}/{name}")
-            result[kind] = await client.create(av, plural, namespace, body)
-        elif action == "patch":
-            logger.info(f"Patching {kind} {namespace}/{name}: {sorted(body)}")
-            result[kind] = await client.patch(av, plural, namespace, name, body)
-        else:
-            result[kind] = have
+        try:
+            if action == "create":
+                logger.info(f"Creating {kind} {namespace}/{name}")
+                result[kind] = await client.create(av, plural, namespace, body)
+            elif action == "patch":
+                logger.info(f"Patching {kind} {namespace}/{name}: {sorted(body)}")
+                result[kind] = await client.patch(av, plural, namespace, name, body)
+            else:
+                result[kind] = have
+        except kube.ApiError as exc:
+            if exc.status == 422:  # the rendered child is invalid: retrying cannot help, the spec must change
+                raise render.Unrealisable("ChildInvalid", f"the API server refused the {want['kind']}: "
+                                                          f"{exc.message}") from None
+            raise
         if action != "noop":
             metrics.CHILD_WRITES.labels(kind=kind, action=action).inc()
     new = st.compute_status(obj, result["deployment"], replicas,
@@ -180,6 +195,8 @@ async def reconcile_handler(body: kopf.Body, retry: int, logger: logging.Logger,
     try:
         await reconcile(_plain(body), logger)
     except Degraded as exc:
+        if exc.retryable:
+            raise kopf.TemporaryError(str(exc), delay=_backoff(retry)) from None
         raise kopf.PermanentError(str(exc)) from None
     except kube.ApiError as exc:
         raise kopf.TemporaryError(f"API error, retrying: {exc}", delay=_backoff(retry)) from None
@@ -211,7 +228,7 @@ async def _child_event(body: kopf.Body, logger: logging.Logger) -> None:
             await reconcile(obj, logger)
             return
         except Degraded:
-            return  # reported in the owner's status; kopf's handler waits for a spec change
+            return  # reported in the owner's status; kopf's handler retries or waits for a spec change
         except kube.ApiError as exc:
             delay = _backoff(attempt)
             logger.warning(f"reconcile of {namespace}/{owner} after a child change failed, "

@@ -12,6 +12,7 @@ deadlocks a full cluster; pods run as non-root with a read-only root filesystem.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,12 +42,15 @@ class Unrealisable(Exception):
     """The spec passed the schema but cannot be turned into running pods.
 
     ``reason`` is a CamelCase condition reason, ``message`` names the field and the problem.
+    ``retryable``: the cause lies outside the spec (e.g. another object in the way), so the reconcile
+    retries with backoff instead of waiting for a spec change.
     """
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, retryable: bool = False):
         super().__init__(message)
         self.reason = reason
         self.message = message
+        self.retryable = retryable
 
 
 def parse_spec(obj: dict[str, Any]) -> api.InferenceServiceSpec:
@@ -57,7 +61,8 @@ def parse_spec(obj: dict[str, Any]) -> api.InferenceServiceSpec:
         problems = []
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"])
-            problems.append(f"spec.{loc}: {err['msg']}" if loc else err["msg"])
+            msg = err["msg"].removeprefix("Value error, ")  # the api validators' messages name the field
+            problems.append(f"spec.{loc}: {msg}" if loc and not msg.startswith("spec.") else msg)
         raise Unrealisable("InvalidSpec", "; ".join(problems)) from None
 
 
@@ -153,7 +158,8 @@ def _resolve(uri: str, spec: api.InferenceServiceSpec, m: _Mounts, what: str) ->
         return target
     if scheme == "pvc":
         claim, _, path = rest.partition("/")
-        vol = f"pvc-{claim}"[:63].rstrip("-")
+        vol = f"pvc-{claim}"  # a volume name is a DNS-1123 label: long claim names get a hash (no collisions)
+        vol = vol if len(vol) <= 63 else f"pvc-{hashlib.sha256(claim.encode()).hexdigest()[:20]}"
         mount = f"{MODEL_ROOT}/pvc/{claim}"
         m.volumes[vol] = {"name": vol, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
         m.mounts[vol] = {"name": vol, "mountPath": mount, "readOnly": True}

@@ -68,6 +68,8 @@ def test_rollout_states():
     assert st.rollout(_dep(ready=0), 2)[:3] == (False, True, "WaitingForPods")
     assert st.rollout(_dep(replicas=3, updated=3, ready=2), 3)[:3] == (True, True, "ScalingUp")
     assert st.rollout(_dep(replicas=2, updated=1, ready=1), 2)[:2] == (False, True)  # old pods still serving
+    # all new pods ready, but a pod of the old template is still there (terminating, or maxSurge): not done yet
+    assert st.rollout(_dep(replicas=3, updated=2, ready=2), 2)[:3] == (False, True, "RollingOut")
     assert st.rollout(_dep(), 2)[:3] == (True, False, "Available")
     stuck = _dep(ready=0, conditions=[{"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "m"}])
     assert st.rollout(stuck, 2)[:3] == (False, False, "ProgressDeadlineExceeded")
@@ -105,3 +107,14 @@ def test_degraded_status():
     assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["reason"] == "UnsupportedModelURI"
     assert conds["Ready"]["status"] == "False" and conds["Progressing"]["status"] == "False"
     assert s["observedGeneration"] == 2
+
+
+def test_degraded_keeps_ready_while_old_children_serve():
+    """A later spec that cannot be realised leaves the running children alone: Ready stays True."""
+    obj = {"metadata": {"generation": 3}, "status": {}}
+    obj["status"] = st.compute_status(obj, _dep(), 2, "u", "m", "s", "t1", False)
+    s = st.degraded_status(obj, "ChildInvalid", "the API server refused the Deployment", "t2")
+    conds = {c["type"]: c for c in s["conditions"]}
+    assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["lastTransitionTime"] == "t2"
+    assert conds["Ready"]["status"] == "True" and conds["Ready"]["lastTransitionTime"] == "t1"
+    assert conds["Progressing"]["status"] == "False"

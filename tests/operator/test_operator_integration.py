@@ -112,6 +112,8 @@ def _assert_operator_never_wrote_spec(emulator):
 
 
 async def test_unrealisable_spec_is_degraded_and_creates_nothing(api, emulator):
+    from kvfleet_operator import metrics
+
     obj = sample("llama-3.1-8b-instruct.yaml")
     obj["metadata"]["name"] = "from-s3"
     obj["spec"]["model"]["uri"] = "s3://models/llama-3.1-8b"
@@ -123,8 +125,10 @@ async def test_unrealisable_spec_is_degraded_and_creates_nothing(api, emulator):
             return o if cond(o, "Degraded").get("status") == "True" else None
         live = await wait_for(degraded)
         status_writes = _writes(emulator, PL, "status")
-        # a permanent error: kopf does not retry (no new status writes while the spec is unchanged)
+        passes = metrics.RECONCILES.labels(result="degraded")._value.get()
+        # a permanent error: kopf does not retry (no new pass, no new status write while the spec is unchanged)
         await _settle()
+        assert metrics.RECONCILES.labels(result="degraded")._value.get() == passes
         assert _writes(emulator, PL, "status") == status_writes
         assert not [w for w in emulator.writes if w["resource"] in ("deployments", "services", "poddisruptionbudgets")]
         # fixing the spec recovers: children created, Degraded cleared
@@ -324,6 +328,15 @@ async def test_orphans_adopted_foreign_objects_refused_scale_subresource(api, em
             cond(live, "Degraded")["message"]
         assert (await api.get("apps/v1", "deployments", "default", "taken"))["spec"] == foreign["spec"]
         assert await api.get("v1", "services", "default", "taken") is None  # nothing created for it
+        # removing the object in the way is enough: the conflict is retried with backoff
+        await api.delete("apps/v1", "deployments", "default", "taken")
+
+        async def resolved():
+            o = await api.get(AV, PL, "default", "taken")
+            return o if cond(o, "Degraded").get("status") == "False" else None
+        await wait_for(resolved)
+        dep = await api.get("apps/v1", "deployments", "default", "taken")
+        assert dep["metadata"]["ownerReferences"][0]["name"] == "taken"
 
         # `kubectl scale infsvc/orphan --replicas=3` goes through the scale subresource
         await api.patch(AV, PL, "default", "orphan", {"spec": {"replicas": 3}}, subresource="scale")
@@ -333,3 +346,27 @@ async def test_orphans_adopted_foreign_objects_refused_scale_subresource(api, em
             return d if d and d["spec"]["replicas"] == 3 else None
         await wait_for(scaled)
         assert await wait_for(lambda: api.get("policy/v1", "poddisruptionbudgets", "default", "orphan"))
+
+
+async def test_child_refused_as_invalid_is_degraded_without_retries(api, emulator):
+    """A 422 from the API server (a rendered child it refuses, e.g. a malformed affinity in the spec)
+    cannot be fixed by retrying: Degraded ChildInvalid with the server's message, then quiet."""
+    from kvfleet_operator import metrics
+
+    emulator.inject_fault("POST", "deployments", times=1000, status=422)
+    obj = sample("smollm2-135m-cpu.yaml")
+    async with running_operator():
+        await api.create(AV, PL, "default", obj)
+
+        async def degraded():
+            o = await api.get(AV, PL, "default", "smollm2")
+            return o if cond(o, "Degraded").get("reason") == "ChildInvalid" else None
+        live = await wait_for(degraded)
+        assert "the API server refused the Deployment: injected by the test (422)" in cond(live, "Degraded")["message"]
+        passes = metrics.RECONCILES.labels(result="degraded")._value.get()
+        await _settle()
+        assert metrics.RECONCILES.labels(result="degraded")._value.get() == passes
+        # the user fixes the spec (here: the API server stops refusing): recovered
+        emulator.faults.clear()
+        await api.patch(AV, PL, "default", "smollm2", {"spec": {"replicas": 2}})
+        await wait_for(lambda: api.get("apps/v1", "deployments", "default", "smollm2"))

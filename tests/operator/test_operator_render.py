@@ -240,3 +240,81 @@ def test_cpu_sample_is_a_config_the_server_runs():
     obj = yaml.safe_load((root / "crds" / "samples" / "smollm2-135m-cpu.yaml").read_text())
     cfg = engine_config(build_parser().parse_args(container(render.render(obj))["args"]))
     assert (cfg.model, cfg.device, cfg.served_model_name, cfg.max_model_len) == ("smollm2", "cpu", "smollm2", 2048)
+
+
+def test_service_port_and_type_reach_server_probes_and_service():
+    c = render.render(isvc({**HF, "service": {"port": 9001, "type": "LoadBalancer"}}))
+    box = container(c)
+    assert flag(box["args"], "--port") == "9001"
+    assert box["ports"] == [{"name": "http", "containerPort": 9001, "protocol": "TCP"}]
+    assert box["startupProbe"]["httpGet"]["port"] == "http"  # probes follow the named port
+    assert c.service["spec"]["type"] == "LoadBalancer"
+    assert c.service["spec"]["ports"][0]["port"] == 9001 and c.service["spec"]["ports"][0]["targetPort"] == "http"
+    assert c.deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9001"
+
+
+@pytest.mark.parametrize("tp,shm", [(1, False), (2, True), (8, True)])
+def test_shared_memory_from_tp_2_and_gpus_default_to_tp(tp, shm):
+    c = render.render(isvc({**HF, "engine": {"tensorParallelSize": tp}}))
+    names = {v["name"] for v in c.deployment["spec"]["template"]["spec"]["volumes"]}
+    assert ("dshm" in names) is shm
+    assert container(c)["resources"]["limits"]["nvidia.com/gpu"] == str(tp)
+
+
+def test_hf_revision_and_pvc_without_path():
+    c = render.render(isvc({"model": {"uri": "hf://Qwen/Qwen2-0.5B@refs/pr/7"}}))
+    assert flag(container(c)["args"], "--model") == "/models/hf/Qwen/Qwen2-0.5B/refs/pr/7"
+    assert flag(container(c)["args"], "--served-model-name") == "Qwen/Qwen2-0.5B"  # no revision in the name
+    init = c.deployment["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["command"][3:] == ["Qwen/Qwen2-0.5B", "refs/pr/7", "/models/hf/Qwen/Qwen2-0.5B/refs/pr/7"]
+
+    c = render.render(isvc({"model": {"uri": "pvc://weights"}}))
+    assert flag(container(c)["args"], "--model") == "/models/pvc/weights"
+    assert flag(container(c)["args"], "--served-model-name") == "weights"
+
+
+def test_long_pvc_claims_get_distinct_valid_volume_names():
+    a, b = "c" * 70 + "-model", "c" * 70 + "-draft"
+    c = render.render(isvc({"model": {"uri": f"pvc://{a}/m"},
+                            "engine": {"speculative": {"method": "draft", "draftModel": f"pvc://{b}/d"}}}))
+    vols = [v for v in c.deployment["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
+    assert [v["persistentVolumeClaim"]["claimName"] for v in vols] == [a, b]
+    assert len({v["name"] for v in vols}) == 2 and all(len(v["name"]) <= 63 for v in vols)
+    mounts = {m["name"] for m in container(c)["volumeMounts"]}
+    assert {v["name"] for v in vols} <= mounts
+
+
+def test_every_rendered_flag_is_protected_from_extra_args():
+    """extraArgs may not override what a spec field renders (the last flag would win: --port would move
+    the server away from its probes and Service)."""
+    from kvfleet_operator import api
+
+    spec = {"model": {"uri": "hf://a/b", "tokenizer": "/t"},
+            "engine": {"quantization": "fp8", "maxModelLen": 64, "maxNumSeqs": 2, "maxNumBatchedTokens": 64,
+                       "speculative": {"method": "ngram", "numSpeculativeTokens": 2}}}
+    rendered = {a for a in container(render.render(isvc(spec)))["args"] if a.startswith("--")}
+    assert rendered <= set(api.RENDERED_FLAGS)
+    for arg in (["--port", "9000"], ["--port=9000"], ["--tensor-parallel"], ["--no-enable-prefix-caching"]):
+        with pytest.raises(render.Unrealisable) as err:
+            render.render(isvc({**HF, "engine": {"extraArgs": arg}}))
+        assert err.value.reason == "InvalidSpec" and err.value.message.startswith("spec.engine.extraArgs: ")
+    ok = render.render(isvc({**HF, "engine": {"extraArgs": ["--max-queue-len", "8", "--seed=1"]}}))
+    assert container(ok)["args"][-3:] == ["--max-queue-len", "8", "--seed=1"]
+
+
+@pytest.mark.parametrize("env,message", [
+    ([{"name": "A", "value": "1", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+     "spec.engine.env[A]: set value or valueFrom, not both"),
+    ([{"name": "A", "valueFrom": {}}], "set exactly one of secretKeyRef or configMapKeyRef"),
+    ([{"name": "A", "value": "1"}, {"name": "A", "value": "2"}], "spec.engine.env: duplicate names ['A']"),
+])
+def test_env_the_api_server_would_refuse_in_the_deployment_is_refused(env, message):
+    with pytest.raises(render.Unrealisable) as err:
+        render.render(isvc({**HF, "engine": {"env": env}}))
+    assert message in err.value.message
+
+
+def test_user_env_overrides_home_and_hf_home():
+    box = container(render.render(isvc({**HF, "engine": {"env": [{"name": "HF_HOME", "value": "/x"}]}})))
+    assert [e for e in box["env"] if e["name"] == "HF_HOME"] == [{"name": "HF_HOME", "value": "/x"}]
+    assert {"name": "HOME", "value": "/tmp"} in box["env"]
