@@ -68,6 +68,8 @@ def validate(obj: dict[str, Any], node: dict[str, Any] | None = None) -> list[st
     import jsonschema
 
     node = schema() if node is None else node
+    if not (obj.get("metadata") or {}).get("name"):
+        return ["metadata.name: Required value: name is required"]  # checked before the schema, as the API server does
     obj = apply_defaults(obj, node)
     errors = [f"{_path(e.absolute_path) or '<root>'}: {e.message}"
               for e in sorted(jsonschema.Draft4Validator(_strip_k8s(node)).iter_errors(obj), key=str)]
@@ -116,7 +118,10 @@ def _cel(obj: Any, node: dict[str, Any], where: list[Any]) -> list[str]:
         if not where:  # root rules see only metadata.name/generateName
             value = {**obj, "metadata": {k: v for k, v in obj.get("metadata", {}).items()
                                          if k in ("name", "generateName")}}
-        result = env.program(env.compile(rule["rule"])).evaluate({"self": celpy.json_to_cel(value)})
+        try:
+            result = env.program(env.compile(rule["rule"])).evaluate({"self": celpy.json_to_cel(value)})
+        except celpy.CELEvalError as exc:  # e.g. a field the rule reads is absent: the rule fails
+            result = exc
         if isinstance(result, Exception) or not bool(result):
             field = _path(where) + rule.get("fieldPath", "") or ("metadata.name" if "metadata.name" in rule["rule"]
                                                                  else "<root>")

@@ -304,8 +304,10 @@ def render(obj: dict[str, Any], replicas: int | None = None) -> Children:
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,  # a Service named like the server would inject *_PORT env vars
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        # OnRootMismatch: no recursive chown of a large model-cache PVC at every pod start
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
-                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+                            "fsGroup": RUN_AS_USER, "fsGroupChangePolicy": "OnRootMismatch",
+                            "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": volumes,
     }

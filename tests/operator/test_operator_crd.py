@@ -183,6 +183,13 @@ def test_bad_name_is_refused():
         "letter, at most 63 characters): it names the Service"]
 
 
+def test_missing_name_is_refused():
+    obj = copy.deepcopy(BASE)
+    del obj["metadata"]
+    assert admission.validate(obj) == ["metadata.name: Required value: name is required"]
+    assert "metadata.name: Required value" in _render_errors(obj)
+
+
 def _render_errors(obj) -> str:
     import tempfile
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:

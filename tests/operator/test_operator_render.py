@@ -176,6 +176,7 @@ def test_pod_security_labels_annotations_strategy_owner():
     pod, box = pod_t["spec"], container(c)
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"  # no chown of a 100 GB cache per start
     assert box["securityContext"]["allowPrivilegeEscalation"] is False
     assert box["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert pod_t["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
