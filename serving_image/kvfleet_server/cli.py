@@ -33,6 +33,29 @@ def _process_age_s() -> float | None:
         return None
 
 
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity set, capped by a cgroup v2 CPU quota (a pod's CPU limit)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+def default_num_threads() -> int:
+    """Compute threads for the engine on CPU: all usable CPUs but one, which is left to the HTTP side
+    (vLLM's CPU backend also keeps a core for its frontend). Oversubscribed OpenMP threads spin-wait
+    against each other and slow every step several-fold."""
+    return max(1, available_cpus() - 1)
+
+
 def _json_arg(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -83,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of shared prompt prefixes (automatic prefix caching)")
     e.add_argument("--kv-cache-dtype", default="auto", help="KV-cache dtype: auto (= model dtype) or a supported one")
+    e.add_argument("--num-threads", type=_positive_int, default=None,
+                   help="intra-op threads of the engine on CPU (default: usable CPUs - 1, respecting the "
+                        "affinity set and a cgroup CPU limit; OMP_NUM_THREADS also sets it)")
     e.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="number of tensor-parallel ranks")
     e.add_argument("--speculative-config", type=_json_arg, default=None,
                    help='speculative decoding, JSON (e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\')')
@@ -107,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_memory_utilization",
                  "kv_cache_memory_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
-                 "speculative_config", "seed")
+                 "speculative_config", "seed", "num_threads")
 
 
 def engine_config(args: argparse.Namespace):
@@ -117,6 +143,8 @@ def engine_config(args: argparse.Namespace):
     kwargs = {name: getattr(args, name) for name in ENGINE_FIELDS if getattr(args, name) is not None}
     if args.served_model_name:
         kwargs["served_model_name"] = args.served_model_name[0]
+    if "num_threads" not in kwargs and not os.environ.get("OMP_NUM_THREADS"):
+        kwargs["num_threads"] = default_num_threads()
     return EngineConfig(**kwargs)
 
 
@@ -135,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as exc:  # UnsupportedFeatureError / InvalidRequestError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    logger.info("start-up: interpreter + imports %.2fs, flags and config %.2fs",
-                age_at_main if age_at_main is not None else float("nan"), time.monotonic() - t_main)
+    logger.info("start-up: interpreter + imports %.2fs, flags and config %.2fs; engine threads: %s",
+                age_at_main if age_at_main is not None else float("nan"), time.monotonic() - t_main,
+                config.num_threads or os.environ.get("OMP_NUM_THREADS") or "torch default")
 
     from .api import ServerSettings, ServerState, build_app
 
