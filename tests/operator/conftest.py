@@ -2,7 +2,8 @@
 
 ``emulator``   ApiServerEmulator serving on loopback, resources registered (kmock_support).
 ``kubeconfig`` KUBECONFIG pointing at it (the operator's login handler and ``kube.login`` read it).
-``api``        a kvfleet_operator.kube.KubeClient talking to it (what tests use to act as kubectl).
+``api``        a kvfleet_operator.kube.KubeClient talking to it (what tests use to act as kubectl), with a
+               token of its own so that ``emulator.writes`` tells its writes from the operator's.
 """
 from __future__ import annotations
 
@@ -37,6 +38,6 @@ def kubeconfig(emulator: ApiServerEmulator, tmp_path: Path, monkeypatch: pytest.
 
 @pytest.fixture()
 async def api(emulator: ApiServerEmulator, kubeconfig: Path) -> AsyncIterator[kube.KubeClient]:
-    client = kube.KubeClient(kopf.ConnectionInfo(server=str(emulator.url).rstrip("/"), token="test-token"))
+    client = kube.KubeClient(kopf.ConnectionInfo(server=str(emulator.url).rstrip("/"), token="test-client-token"))
     yield client
     await client.close()

@@ -3,7 +3,9 @@
 Pieces (reused by the autoscaler's tests):
 
 - ``ApiServerEmulator`` — a small ``kmock.KubernetesEmulator`` subclass (see its docstring for the
-  real-API behaviours it stands in for), plus ``writes``: every non-GET request it served.
+  real-API behaviours it stands in for), plus ``writes``: every non-GET request it served, with its
+  Authorization header (the operator's kubeconfig token is ``OPERATOR_TOKEN``; the tests' own client
+  uses another, so a test can tell who wrote what).
 - ``register_resources(emulator)`` — the discovery entries kopf needs: InferenceService (status and
   scale subresources), Deployments, Services, PDBs, Pods, Events, and — without which kopf
   discovers the resource but silently never watches it — CRDs and Namespaces.
@@ -93,7 +95,8 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         if request.resource is not None and request.method.value not in ("GET", "HEAD"):
             self.writes.append({"method": request.method.value, "resource": request.resource.plural,
                                 "namespace": request.namespace, "name": request.name,
-                                "subresource": request.subresource, "data": copy.deepcopy(request.data)})
+                                "subresource": request.subresource, "data": copy.deepcopy(request.data),
+                                "auth": request.headers.get("Authorization")})
         rv = str(next(self._rv))
         if request.resource is not None and request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
@@ -164,11 +167,14 @@ def register_resources(emulator: kmock.KubernetesEmulator) -> None:
                                             verbs={"list", "watch", "get"})
 
 
+OPERATOR_TOKEN = "test-token"
+
+
 def write_kubeconfig(path: Path, url: str) -> Path:
-    """A kubeconfig pointing at ``url`` with a dummy bearer token."""
+    """A kubeconfig pointing at ``url`` with the dummy bearer token ``OPERATOR_TOKEN``."""
     cfg = {"apiVersion": "v1", "kind": "Config", "current-context": "kmock",
            "clusters": [{"name": "kmock", "cluster": {"server": str(url).rstrip("/")}}],
-           "users": [{"name": "kmock", "user": {"token": "test-token"}}],
+           "users": [{"name": "kmock", "user": {"token": OPERATOR_TOKEN}}],
            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": "default"}}]}
     path.write_text(json.dumps(cfg))
     return path
