@@ -171,10 +171,16 @@ class KubeClient:
             async with self._session.request(method, self.info.server.rstrip("/") + path, params=params,
                                              data=None if body is None else json.dumps(body),
                                              headers=headers) as rsp:
-                data = await rsp.json(content_type=None) if rsp.content_length != 0 else None
                 status = rsp.status
+                text = await rsp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             raise ApiError(503, type(exc).__name__, str(exc) or "connection failed") from exc
+        try:
+            data = json.loads(text) if text else None
+        except ValueError:  # e.g. an HTML error page from a proxy or load balancer in front of the API
+            if status < 400:
+                raise ApiError(502, "BadResponse", f"HTTP {status} with a body that is not JSON: {text[:200]!r}") from None
+            data = {"message": f"HTTP {status}: {text[:200]}"}
         if status == 401 and _retry:
             login()
             self.info = _credentials

@@ -53,3 +53,29 @@ async def test_login_reads_kubeconfig(kubeconfig, emulator):
     client = kube.get_client()
     assert await client.get("v1", "pods", "ns", "nothing") is None
     await kube.close_client()
+
+
+async def test_non_json_error_pages_are_api_errors(unused_tcp_port):
+    """A proxy in front of the API server may answer with HTML: still an ApiError (retried), not a crash."""
+    from aiohttp import web
+
+    async def html(request):
+        status = 502 if request.path.endswith("/a") else 200
+        return web.Response(status=status, text="<html>Bad Gateway</html>", content_type="text/html")
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", html)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", unused_tcp_port).start()
+    client = kube.KubeClient(kopf.ConnectionInfo(server=f"http://127.0.0.1:{unused_tcp_port}", token="t"))
+    try:
+        with pytest.raises(kube.ApiError) as err:
+            await client.get("v1", "pods", "ns", "a")
+        assert err.value.status == 502 and "Bad Gateway" in err.value.message
+        with pytest.raises(kube.ApiError) as err:
+            await client.get("v1", "pods", "ns", "b")  # 200 but not JSON
+        assert err.value.status == 502 and err.value.reason == "BadResponse"
+    finally:
+        await client.close()
+        await runner.cleanup()
