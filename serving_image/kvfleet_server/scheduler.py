@@ -261,7 +261,9 @@ class Scheduler:
             if len(self.running) + seats > self.max_num_seqs:
                 break
             cached = 0
-            if self.enable_prefix_caching and seq.num_computed_tokens == 0 and seq.seq_id not in self.kv.block_tables:
+            # prompt_logprobs need logits at every prompt position: such requests skip the cache lookup
+            if (self.enable_prefix_caching and req.params.prompt_logprobs is None
+                    and seq.num_computed_tokens == 0 and seq.seq_id not in self.kv.block_tables):
                 cached = self._lookup_prefix(seq)
                 out.prefix_cache_queries += len(seq.token_ids)
                 out.prefix_cache_hits += cached

@@ -62,7 +62,9 @@ def test_greedy_tokens_match_transformers(request, fixture):
     refs = []
     with torch.no_grad():
         for p in prompts:
-            g = hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=-1, pad_token_id=0)
+            ids = torch.tensor([p])
+            g = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                            eos_token_id=-1, pad_token_id=0)
             refs.append(g[0, len(p):].tolist())
     llm = LLM(model_dir, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

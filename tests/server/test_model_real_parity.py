@@ -47,7 +47,10 @@ def hf_reference(gguf_path):
     with torch.no_grad():
         for p in PROMPTS:
             ids = tok(p, return_tensors="pt").input_ids
-            g = model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=-1, pad_token_id=2)
+            # explicit all-ones mask: without it transformers masks every prompt token equal to
+            # pad_token_id (2 = <|im_end|> here), which changes the chat prompts' logits
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, do_sample=False,
+                               eos_token_id=-1, pad_token_id=2)
             refs.append((ids[0].tolist(), g[0, ids.shape[1]:].tolist()))
     return refs
 

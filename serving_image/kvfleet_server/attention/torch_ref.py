@@ -21,10 +21,13 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
+        k_flat = k_cache.view(num_blocks, -1)
+        v_flat = v_cache.view(num_blocks, -1)
         for g in meta.decode_groups:
             rows = slice(g.start, g.start + g.count)
-            kk = k_cache[g.block_tables].view(g.count, -1, kvh, hd).transpose(1, 2)
-            vv = v_cache[g.block_tables].view(g.count, -1, kvh, hd).transpose(1, 2)
+            idx = g.block_tables.view(-1)  # index_select on [num_blocks, block] rows is the fastest gather
+            kk = k_flat.index_select(0, idx).view(g.count, -1, kvh, hd).transpose(1, 2)
+            vv = v_flat.index_select(0, idx).view(g.count, -1, kvh, hd).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[rows].unsqueeze(2), kk, vv, attn_mask=g.mask, scale=scale, enable_gqa=True
             )
@@ -37,8 +40,8 @@ class TorchAttentionBackend(AttentionBackend):
                 vv = v[rows].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                kk = k_cache[p.block_table].view(-1, kvh, hd)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-                vv = v_cache[p.block_table].view(-1, kvh, hd)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
+                kk = k_flat.index_select(0, p.block_table).view(-1, kvh, hd)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
+                vv = v_flat.index_select(0, p.block_table).view(-1, kvh, hd)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=p.mask, scale=scale, enable_gqa=True)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
