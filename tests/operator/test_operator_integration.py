@@ -373,3 +373,28 @@ async def test_child_refused_as_invalid_is_degraded_without_retries(api, emulato
         emulator.faults.clear()
         await api.patch(AV, PL, "default", "smollm2", {"spec": {"replicas": 2}})
         await wait_for(lambda: api.get("apps/v1", "deployments", "default", "smollm2"))
+
+
+async def test_children_of_an_object_being_deleted_are_not_recreated(api, emulator):
+    """While an InferenceService is being deleted (deletionTimestamp set, another finalizer holding it),
+    the garbage collector removes its children: the operator must not fight it by recreating them."""
+    obj = sample("smollm2-135m-cpu.yaml")
+    obj["metadata"]["finalizers"] = ["example.com/hold"]
+    async with running_operator():
+        await api.create(AV, PL, "default", obj)
+        await wait_for(lambda: api.get("v1", "services", "default", "smollm2"))
+        await wait_for(lambda: api.get("apps/v1", "deployments", "default", "smollm2"))
+        await api.delete(AV, PL, "default", "smollm2")
+
+        async def deleting():
+            o = await api.get(AV, PL, "default", "smollm2")
+            return o if o and o["metadata"].get("deletionTimestamp") else None
+        await wait_for(deleting)
+        await api.delete("apps/v1", "deployments", "default", "smollm2")  # what the garbage collector does
+        await _settle()
+        assert await api.get("apps/v1", "deployments", "default", "smollm2") is None
+        await api.patch(AV, PL, "default", "smollm2", {"metadata": {"finalizers": None}})
+
+        async def gone():
+            return await api.get(AV, PL, "default", "smollm2") is None
+        await wait_for(gone)

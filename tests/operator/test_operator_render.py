@@ -80,7 +80,9 @@ def test_every_engine_field_becomes_a_flag():
     env = {e["name"]: e for e in box["env"]}
     assert env["A"]["value"] == "1" and env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "s", "key": "t"}
     pod = c.deployment["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] > 60 + render.PRESTOP_SLEEP_SECONDS  # drain never cut short
+    # the grace period runs from the preStop sleep on: sleep + drain + margin, so the drain is never cut short
+    assert pod["terminationGracePeriodSeconds"] == render.PRESTOP_SLEEP_SECONDS + 60 + render.TERMINATION_MARGIN_SECONDS
+    assert render.TERMINATION_MARGIN_SECONDS > 0
     assert box["lifecycle"]["preStop"]["sleep"]["seconds"] == render.PRESTOP_SLEEP_SECONDS
 
 
@@ -177,8 +179,13 @@ def test_pod_security_labels_annotations_strategy_owner():
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     assert pod["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"  # no chown of a 100 GB cache per start
-    assert box["securityContext"]["allowPrivilegeEscalation"] is False
-    assert box["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert box["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                      "runAsNonRoot": True, "capabilities": {"drop": ["ALL"]},
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    assert {"name": "tmp", "mountPath": "/tmp"} in box["volumeMounts"]  # writable /tmp (HOME) on a read-only root
+    assert pod["automountServiceAccountToken"] is False and pod["enableServiceLinks"] is False
+    for init in pod["initContainers"]:  # the hf download runs as restricted as the server
+        assert init["securityContext"] == box["securityContext"]
     assert pod_t["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": "8000",
                                                 "prometheus.io/path": "/metrics"}
     assert c.deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
