@@ -71,6 +71,7 @@ def test_rollout_states():
     # all new pods ready, but a pod of the old template is still there (terminating, or maxSurge): not done yet
     assert st.rollout(_dep(replicas=3, updated=2, ready=2), 2)[:3] == (False, True, "RollingOut")
     assert st.rollout(_dep(), 2)[:3] == (True, False, "Available")
+    assert st.rollout(_dep(replicas=0, updated=0, ready=0), 0)[:3] == (False, False, "ScaledToZero")  # no pod: not Ready
     stuck = _dep(ready=0, conditions=[{"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "m"}])
     assert st.rollout(stuck, 2)[:3] == (False, False, "ProgressDeadlineExceeded")
 

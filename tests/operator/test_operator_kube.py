@@ -79,3 +79,35 @@ async def test_non_json_error_pages_are_api_errors(unused_tcp_port):
     finally:
         await client.close()
         await runner.cleanup()
+
+
+async def test_401_rereads_credentials_once(unused_tcp_port, tmp_path, monkeypatch):
+    """Bound service-account tokens rotate: a 401 makes the client read its credentials again and retry."""
+    from aiohttp import web
+
+    from kmock_support import write_kubeconfig
+
+    seen = []
+
+    async def handler(request):
+        seen.append(request.headers.get("Authorization"))
+        if request.headers.get("Authorization") != "Bearer test-token":
+            return web.json_response({"reason": "Unauthorized", "message": "token expired"}, status=401)
+        return web.json_response({"kind": "Pod", "metadata": {"name": "a"}})
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", unused_tcp_port).start()
+    url = f"http://127.0.0.1:{unused_tcp_port}"
+    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", url)))  # the rotated token
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    client = kube.KubeClient(kopf.ConnectionInfo(server=url, token="expired"))
+    try:
+        assert (await client.get("v1", "pods", "ns", "a"))["metadata"]["name"] == "a"
+        assert seen == ["Bearer expired", "Bearer test-token"]
+    finally:
+        await client.close()
+        await runner.cleanup()
+        kube.set_credentials(None)

@@ -145,6 +145,11 @@ def test_default_startup_probe_and_health_probes():
     assert (box["startupProbe"]["periodSeconds"], box["startupProbe"]["failureThreshold"]) == (10, 180)
     for probe in ("readinessProbe", "livenessProbe"):
         assert box[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    live, ready = box["livenessProbe"], box["readinessProbe"]
+    # a restart only after a minute of failed /health (a long engine step must not kill a busy pod) ...
+    assert live["periodSeconds"] * live["failureThreshold"] >= 60 and live["timeoutSeconds"] >= 5
+    # ... while traffic stops within ~10 s of /health turning 503 (drain, engine failure)
+    assert ready["periodSeconds"] * ready["failureThreshold"] <= 10
 
 
 def test_model_volumes_per_scheme():
