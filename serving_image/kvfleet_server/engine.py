@@ -229,6 +229,8 @@ class LLMEngine:
             it.num_prompt_tokens += max(0, min(s.seq.num_computed_tokens + s.num_new, s.seq.num_prompt_tokens)
                                         - s.seq.num_computed_tokens)
         self.runner.copy_blocks(sched.copies)
+        for block in sched.pinned:
+            self.kv.pool.decref(block)
         batch = self.runner.execute(scheduled, {s.seq.seq_id: self.kv.block_ids(s.seq.seq_id) for s in scheduled})
         samplers = [i for i, s in enumerate(scheduled) if s.samples]
         self._prompt_logprobs(scheduled, batch)

@@ -36,6 +36,10 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    # set while published: the key of its parent (parent hash, extra keys) and its token ids, so that a
+    # prompt whose next block only partly matches can reuse the matching leading slots
+    parent_key: tuple | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 def hash_block_tokens(parent: bytes | None, token_ids: list[int] | tuple[int, ...], extra: tuple = ()) -> bytes:
@@ -65,6 +69,7 @@ class BlockPool:
         self._free_uncached: deque[int] = deque(range(num_blocks))
         self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         self._hash_to_block: dict[bytes, int] = {}
+        self._children: dict[tuple, set[int]] = {}  # (parent hash, extra keys) -> published block ids
         self.num_evictions = 0
 
     # --- introspection -------------------------------------------------------------------------
@@ -119,18 +124,45 @@ class BlockPool:
         bid = self._hash_to_block.get(block_hash)
         return None if bid is None else self.blocks[bid]
 
-    def publish(self, block: KVBlock, block_hash: bytes) -> None:
-        """Mark a full, computed block as reusable under ``block_hash`` (first writer wins)."""
+    def publish(self, block: KVBlock, block_hash: bytes, parent_key: tuple | None = None,
+                token_ids: tuple[int, ...] = ()) -> None:
+        """Mark a full, computed block as reusable under ``block_hash`` (first writer wins).
+        ``parent_key`` = (parent hash or None, extra keys) and ``token_ids`` index it for partial matches."""
         if block.block_hash is not None or block_hash in self._hash_to_block:
             return
         block.block_hash = block_hash
         self._hash_to_block[block_hash] = block.block_id
+        if parent_key is not None:
+            block.parent_key, block.token_ids = parent_key, tuple(token_ids)
+            self._children.setdefault(parent_key, set()).add(block.block_id)
+
+    def best_partial_match(self, parent_key: tuple, tokens: list[int]) -> tuple[KVBlock | None, int]:
+        """Published block under ``parent_key`` sharing the longest leading run with ``tokens``.
+        Returns (block, number of matching leading tokens) or (None, 0)."""
+        best, best_n = None, 0
+        for bid in self._children.get(parent_key, ()):
+            b = self.blocks[bid]
+            n = 0
+            for x, y in zip(b.token_ids, tokens):
+                if x != y:
+                    break
+                n += 1
+            if n > best_n:
+                best, best_n = b, n
+        return best, best_n
 
     def _drop_hash(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._hash_to_block.get(block.block_hash) == block.block_id:
                 del self._hash_to_block[block.block_hash]
             block.block_hash = None
+            if block.parent_key is not None:
+                kids = self._children.get(block.parent_key)
+                if kids is not None:
+                    kids.discard(block.block_id)
+                    if not kids:
+                        del self._children[block.parent_key]
+                block.parent_key, block.token_ids = None, ()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash of free blocks (used by tests and on config change)."""
@@ -213,8 +245,15 @@ class KVCacheManager:
             self.pool.incref(b)
         self.block_tables[seq_id] = list(blocks)
 
-    def publish_full_blocks(self, seq_id: str, hashes: list[bytes], start: int) -> None:
-        """Publish blocks [start, len(hashes)) of the sequence under their chained hashes."""
+    def publish_full_blocks(self, seq_id: str, hashes: list[bytes], start: int, token_ids: list[int] | None = None,
+                            extra: tuple = ()) -> None:
+        """Publish blocks [start, len(hashes)) of the sequence under their chained hashes (with their
+        tokens, for partial-block matching, when ``token_ids`` is given)."""
         table = self.block_tables.get(seq_id, [])
+        bs = self.block_size
         for i in range(start, min(len(hashes), len(table))):
-            self.pool.publish(table[i], hashes[i])
+            if token_ids is None:
+                self.pool.publish(table[i], hashes[i])
+            else:
+                parent = hashes[i - 1] if i else None
+                self.pool.publish(table[i], hashes[i], (parent, extra), tuple(token_ids[i * bs : (i + 1) * bs]))

@@ -142,7 +142,8 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) block ids
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids: copy-on-write, partial hits
+    pinned: list = field(default_factory=list)  # source blocks of partial hits, released after the copies
     preempted: list[Sequence] = field(default_factory=list)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
@@ -156,12 +157,13 @@ class Scheduler:
     """Decides, each step, which sequences compute how many tokens (see module docstring)."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool):
+                 enable_prefix_caching: bool, partial_block_matching: bool = True):
         self.kv = kv
         self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_prefix_caching = enable_prefix_caching
+        self.partial_block_matching = partial_block_matching
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
@@ -201,22 +203,38 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # --- prefix cache --------------------------------------------------------------------------
-    def _lookup_prefix(self, seq: Sequence) -> int:
-        """Attach the longest chain of cached full blocks; returns the number of tokens reused."""
+    def _lookup_prefix(self, seq: Sequence):
+        """Attach the longest chain of cached full blocks, then (partial-block matching) a copy of the
+        cached block sharing the most leading tokens with the next block.
+
+        Returns (tokens reused, (src, dst) copy or None, pinned source block or None).
+        """
         bs = self.block_size
-        num_full = len(seq.token_ids) // bs
+        tokens = seq.token_ids
+        num_full = len(tokens) // bs
         hits = []
         for h in seq.full_block_hashes(bs, num_full):
             block = self.kv.pool.lookup(h)
             if block is None:
                 break
             hits.append(block)
-        if not hits:
-            return 0
-        self.kv.attach_cached_blocks(seq.seq_id, hits)
+        if hits:
+            self.kv.attach_cached_blocks(seq.seq_id, hits)
+        cached = len(hits) * bs
+        copy = pinned = None
+        if self.partial_block_matching and cached < len(tokens) - 1:
+            parent = seq.block_hashes[len(hits) - 1] if hits else None
+            src, n = self.kv.pool.best_partial_match((parent, seq.request.hash_extra), tokens[cached : cached + bs])
+            n = min(n, len(tokens) - 1 - cached)
+            if src is not None and n > 0 and self.kv.pool.num_free_blocks > 1:
+                self.kv.pool.incref(src)  # pinned: cannot be evicted before the copy runs
+                dst = self.kv.pool.allocate()
+                self.kv.block_tables.setdefault(seq.seq_id, []).append(dst)
+                copy, pinned = (src.block_id, dst.block_id), src
+                cached += n
         # The last token is always computed so that there are logits to sample from; writing it into
         # a published block triggers copy-on-write (kv_cache.allocate_slots).
-        return min(len(hits) * bs, len(seq.token_ids) - 1)
+        return min(cached, len(tokens) - 1), copy, pinned
 
     def publish_computed_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's full blocks whose K/V are now computed (called after a step)."""
@@ -225,7 +243,8 @@ class Scheduler:
         full = seq.num_computed_tokens // self.block_size
         if full > seq.num_published_blocks:
             hashes = seq.full_block_hashes(self.block_size, full)
-            self.kv.publish_full_blocks(seq.seq_id, hashes, seq.num_published_blocks)
+            self.kv.publish_full_blocks(seq.seq_id, hashes, seq.num_published_blocks, seq.token_ids,
+                                        seq.request.hash_extra)
             seq.num_published_blocks = full
 
     # --- the policy ----------------------------------------------------------------------------
@@ -260,23 +279,26 @@ class Scheduler:
             seats = 1 if req.forked else req.params.n
             if len(self.running) + seats > self.max_num_seqs:
                 break
-            cached = 0
+            cached, pcopy, pinned = 0, None, None
             # prompt_logprobs need logits at every prompt position: such requests skip the cache lookup
             if (self.enable_prefix_caching and req.params.prompt_logprobs is None
                     and seq.num_computed_tokens == 0 and seq.seq_id not in self.kv.block_tables):
-                cached = self._lookup_prefix(seq)
-                out.prefix_cache_queries += len(seq.token_ids)
-                out.prefix_cache_hits += cached
+                cached, pcopy, pinned = self._lookup_prefix(seq)
             seq.num_computed_tokens = cached
             num_new = min(seq.num_uncomputed, budget)
             copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
-            if copies is None:
-                if cached:  # give the prefix hits back; retry next step
-                    out.prefix_cache_queries -= len(seq.token_ids)
-                    out.prefix_cache_hits -= cached
+            if copies is None:  # give the prefix hits back; retry next step
+                if pinned is not None:
+                    self.kv.pool.decref(pinned)
                 self.kv.free(seq.seq_id)
                 seq.num_computed_tokens = 0
                 break
+            if self.enable_prefix_caching and req.params.prompt_logprobs is None and not seq.num_output_tokens:
+                out.prefix_cache_queries += len(seq.token_ids)
+                out.prefix_cache_hits += cached
+            if pcopy is not None:
+                out.copies.append(pcopy)
+                out.pinned.append(pinned)
             self.waiting.popleft()
             if seq.request.metrics.first_scheduled_time is None:
                 req.num_cached_tokens = cached
