@@ -118,6 +118,8 @@ async def reconcile(obj: dict[str, Any], logger: logging.Logger | logging.Logger
 
 async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: str, name: str,
                      logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
+    if obj["metadata"].get("deletionTimestamp"):
+        return {}  # being deleted: the garbage collector removes the children, nothing to reconcile
     spec = render.parse_spec(obj)
     render.render(obj)  # surfaces Unrealisable before any request
     uid = obj["metadata"].get("uid")
@@ -135,6 +137,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                 "ChildConflict", f"{body.get('kind', kind)} {namespace}/{name} exists and is not controlled by "
                                  f"this InferenceService; delete or rename it", retryable=True)
     result: dict[str, Any] = {}
+    template_written = False
     for kind, av, plural in CHILDREN:
         want, have = desired[kind], live[kind]
         if want is None:
@@ -144,6 +147,9 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                 metrics.CHILD_WRITES.labels(kind=kind, action="delete").inc()
             continue
         action, body = apply.plan(want, have)
+        if action == "create" and await _being_deleted(client, namespace, name):
+            logger.info(f"Not creating {kind} {namespace}/{name}: the InferenceService is being deleted")
+            return {}
         try:
             if action == "create":
                 logger.info(f"Creating {kind} {namespace}/{name}")
@@ -160,10 +166,21 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             raise
         if action != "noop":
             metrics.CHILD_WRITES.labels(kind=kind, action=action).inc()
+        if kind == "deployment" and body is not None:
+            template_written = action == "create" or "template" in (body.get("spec") or {})
     new = st.compute_status(obj, result["deployment"], replicas,
                             render.service_url(name, namespace, spec.service.port), spec.served_model_name,
-                            render.selector_string(name), st.now_rfc3339(), spec.autoscaling.enabled)
+                            render.selector_string(name), st.now_rfc3339(), spec.autoscaling.enabled,
+                            template_written)
     return await _write_status(client, obj, new)
+
+
+async def _being_deleted(client: kube.KubeClient, namespace: str, name: str) -> bool:
+    """Whether the InferenceService is gone or has a deletionTimestamp *now*. ``obj`` may be older than
+    the deletion (a pass queued behind the lock): re-reading before a create keeps the operator from
+    recreating children the garbage collector is removing. Creates are rare, so is this GET."""
+    fresh = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
+    return fresh is None or bool(fresh.get("metadata", {}).get("deletionTimestamp"))
 
 
 def _adoptable(child: dict[str, Any], name: str) -> bool:

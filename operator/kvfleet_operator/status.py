@@ -43,12 +43,17 @@ def get_condition(status: dict[str, Any] | None, type_: str) -> dict[str, Any] |
     return next((c for c in (status or {}).get("conditions") or [] if c.get("type") == type_), None)
 
 
-def rollout(deployment: dict[str, Any] | None, desired: int) -> tuple[bool, bool, str, str]:
+def rollout(deployment: dict[str, Any] | None, desired: int,
+            template_written: bool = True) -> tuple[bool, bool, str, str]:
     """(ready, progressing, reason, message) of the live Deployment for ``desired`` replicas.
 
     Ready: the Deployment controller has seen the current template, no pod of an older template is
     left, and at least one pod is ready (``desired`` 0 is never Ready). Progressing: a rollout or a
-    scale-up is still under way."""
+    scale-up is still under way. ``template_written``: this reconcile created the Deployment or
+    patched its pod template; when it did not, a change the controller has not observed yet is
+    most likely a replica change (e.g. the autoscaler's), which leaves the serving pods as they
+    are — Ready is then judged from the pod counts (reason ``Updating``; ``compute_status`` also
+    keeps a previous Ready=False) instead of flapping to False on every scale."""
     if deployment is None:
         return False, True, "Creating", "Deployment is being created"
     st = deployment.get("status") or {}
@@ -62,7 +67,10 @@ def rollout(deployment: dict[str, Any] | None, desired: int) -> tuple[bool, bool
     if desired == 0:
         return False, False, "ScaledToZero", "spec asks for 0 replicas"
     if gen is not None and (observed is None or observed < gen):
-        return False, True, "RollingOut", "Deployment controller has not seen the new template yet"
+        if template_written:
+            return False, True, "RollingOut", "Deployment controller has not seen the new template yet"
+        return ready > 0 and replicas <= updated, True, "Updating", \
+            "Deployment controller has not seen the latest change (e.g. a replica count) yet"
     if updated < desired or replicas > updated:
         return ready > 0 and replicas <= updated, True, "RollingOut", \
             f"{updated} of {desired} pods run the current template ({replicas} pods in total)"
@@ -73,13 +81,17 @@ def rollout(deployment: dict[str, Any] | None, desired: int) -> tuple[bool, bool
 
 
 def compute_status(obj: dict[str, Any], deployment: dict[str, Any] | None, desired: int, url: str,
-                   model: str, selector: str, now: str, autoscaling: bool) -> dict[str, Any]:
-    """The status the reconcile owns, given the live Deployment after apply.
+                   model: str, selector: str, now: str, autoscaling: bool,
+                   template_written: bool = True) -> dict[str, Any]:
+    """The status the reconcile owns, given the live Deployment after apply (``template_written``:
+    see ``rollout``).
 
     desiredReplicas is written only when autoscaling is off (the autoscaler owns it otherwise)."""
     old = obj.get("status") or {}
     gen = (obj.get("metadata") or {}).get("generation")
-    is_ready, progressing, reason, message = rollout(deployment, desired)
+    is_ready, progressing, reason, message = rollout(deployment, desired, template_written)
+    if reason == "Updating":  # not yet observed: never turn Ready on (a template patch may be under way)
+        is_ready = is_ready and (get_condition(old, READY) or {}).get("status") == "True"
     conds = old.get("conditions") or []
     conds = set_condition(conds, READY, is_ready, reason, message, now, gen)
     conds = set_condition(conds, PROGRESSING, progressing, reason, message, now, gen)

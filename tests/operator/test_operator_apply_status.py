@@ -65,6 +65,9 @@ def _dep(gen=1, observed=1, replicas=2, updated=2, ready=2, conditions=()):
 def test_rollout_states():
     assert st.rollout(None, 1)[:3] == (False, True, "Creating")
     assert st.rollout(_dep(gen=2, observed=1), 2)[:3] == (False, True, "RollingOut")
+    # a scale the controller has not observed yet (the autoscaler's, say): the pods still serve, Ready stays
+    assert st.rollout(_dep(gen=2, observed=1), 3, template_written=False)[:3] == (True, True, "Updating")
+    assert st.rollout(_dep(gen=2, observed=1, ready=0), 3, template_written=False)[:2] == (False, True)
     assert st.rollout(_dep(ready=0), 2)[:3] == (False, True, "WaitingForPods")
     assert st.rollout(_dep(replicas=3, updated=3, ready=2), 3)[:3] == (True, True, "ScalingUp")
     assert st.rollout(_dep(replicas=2, updated=1, ready=1), 2)[:2] == (False, True)  # old pods still serving
@@ -119,3 +122,19 @@ def test_degraded_keeps_ready_while_old_children_serve():
     assert conds["Degraded"]["status"] == "True" and conds["Degraded"]["lastTransitionTime"] == "t2"
     assert conds["Ready"]["status"] == "True" and conds["Ready"]["lastTransitionTime"] == "t1"
     assert conds["Progressing"]["status"] == "False"
+
+
+def test_ready_does_not_flap_on_unobserved_changes():
+    """An autoscaler scale (not observed yet) keeps Ready=True; the pass right after a template patch
+    (not observed yet either) keeps Ready=False: no True->False->True or False->True->False flaps."""
+    obj = {"metadata": {"generation": 1}, "status": {}}
+    obj["status"] = st.compute_status(obj, _dep(), 2, "u", "m", "s", "t1", True)
+    assert st.get_condition(obj["status"], "Ready")["status"] == "True"
+    scaled = st.compute_status(obj, _dep(gen=2, observed=1), 3, "u", "m", "s", "t2", True, template_written=False)
+    assert st.get_condition(scaled, "Ready")["status"] == "True"
+    assert st.get_condition(scaled, "Progressing")["status"] == "True"
+    patched = st.compute_status(obj, _dep(gen=2, observed=1), 2, "u", "m", "s", "t2", False, template_written=True)
+    assert st.get_condition(patched, "Ready")["status"] == "False"
+    obj["status"] = patched
+    after = st.compute_status(obj, _dep(gen=2, observed=1), 2, "u", "m", "s", "t3", False, template_written=False)
+    assert st.get_condition(after, "Ready")["status"] == "False"
