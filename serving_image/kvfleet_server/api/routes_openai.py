@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from ..errors import EngineDeadError, InvalidRequestError, UnsupportedFeatureError
 from ..outputs import RequestOutput
@@ -21,7 +21,7 @@ from .errors import APIError, error_body
 from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
                        CompletionRequest, CompletionResponse, ErrorResponse, ResponseMessage, UsageInfo, now,
                        random_id)
-from .streams import merge, sse, unless_disconnected
+from .streams import EngineStreamResponse, merge, sse, unless_disconnected
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
 router = APIRouter()
@@ -150,7 +150,7 @@ async def create_completion(body: CompletionRequest, request: Request):
                 yield sse(error_body(503, f"the engine stopped: {exc}"))
             yield sse("[DONE]")
 
-        return StreamingResponse(gen(), media_type="text/event-stream")
+        return EngineStreamResponse(gen(), streams)
 
     async def collect():
         finals: list[RequestOutput | None] = [None] * len(prompts)
@@ -269,7 +269,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                 yield sse(error_body(503, f"the engine stopped: {exc}"))
             yield sse("[DONE]")
 
-        return StreamingResponse(gen(), media_type="text/event-stream")
+        return EngineStreamResponse(gen(), streams)
 
     async def collect():
         final = None

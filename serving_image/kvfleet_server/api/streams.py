@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request, Response
+from fastapi.responses import StreamingResponse
 
 from ..outputs import RequestOutput
 from .async_engine import RequestStream
@@ -91,3 +92,22 @@ async def unless_disconnected(request: Request, work: Awaitable, streams: list[R
     for s in streams:
         s.close()
     return Response(status_code=499)
+
+
+class EngineStreamResponse(StreamingResponse):
+    """SSE response that closes its engine streams however the response ends.
+
+    The body generator's own ``finally`` does not run if the client is gone before the first chunk is
+    pulled; closing here too guarantees the abort (``RequestStream.close`` is idempotent).
+    """
+
+    def __init__(self, content, streams: list[RequestStream]):
+        super().__init__(content, media_type="text/event-stream")
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.close()
