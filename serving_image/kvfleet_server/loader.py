@@ -281,3 +281,4 @@ def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | 
     model.init_rope(max_positions or cfg.max_position_embeddings, device)
     model.eval()
     return model, cfg
+

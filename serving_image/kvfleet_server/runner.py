@@ -17,8 +17,11 @@ from .scheduler import ScheduledSeq
 
 # Decode grouping: sequences sorted by context length are split when padding would waste more than
 # this fraction of a group's gathered K/V (and the group already has a few members).
+# Groups are also capped in size: a group's gathered K/V then stays cache-resident between the gather
+# and the attention that reads it (measured ~3x faster decode attention on CPU than one group of 64).
 _MAX_PAD_WASTE = 0.2
 _MIN_GROUP = 4
+_MAX_GROUP = 16
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -74,7 +77,7 @@ class ModelRunner:
         for i, c in enumerate(ctx_lens):
             nb = -(-c // bs)
             count = i - start + 1
-            if count > _MIN_GROUP and (count * nb - (total + nb)) > _MAX_PAD_WASTE * count * nb:
+            if count > _MAX_GROUP or (count > _MIN_GROUP and (count * nb - (total + nb)) > _MAX_PAD_WASTE * count * nb):
                 groups.append((start, i - start))
                 start, total = i, 0
             total += nb

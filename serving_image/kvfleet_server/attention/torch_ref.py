@@ -1,7 +1,8 @@
 """PyTorch reference attention backend (CPU and any device): K/V are gathered through the block
 table and fed to ``torch.nn.functional.scaled_dot_product_attention`` (GQA via ``enable_gqa``).
 
-Decodes of a step run as one batched SDPA call over their gathered, padded contexts; each prefill
+Decodes of a step run as batched SDPA calls (one per group of similar context length) over their
+gathered, padded contexts, with the query heads of a kv head folded into the query axis; each prefill
 chunk runs its own call (plain causal when it starts at position 0, else masked over its prefix).
 """
 
@@ -28,10 +29,11 @@ class TorchAttentionBackend(AttentionBackend):
             idx = g.block_tables.view(-1)  # index_select on [num_blocks, block] rows is the fastest gather
             kk = k_flat.index_select(0, idx).view(g.count, -1, kvh, hd).transpose(1, 2)
             vv = v_flat.index_select(0, idx).view(g.count, -1, kvh, hd).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[rows].unsqueeze(2), kk, vv, attn_mask=g.mask, scale=scale, enable_gqa=True
-            )
-            out[rows] = o.squeeze(2)
+            # GQA without repeating K/V: the query heads sharing a kv head become that head's
+            # "query positions" ([count, kv_heads, group, head_dim]); head h uses kv head h // group
+            qg = q[rows].view(g.count, kvh, -1, hd)
+            o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=g.mask, scale=scale)
+            out[rows] = o.reshape(g.count, -1, hd)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
             qp = q[rows].transpose(0, 1).unsqueeze(0)
