@@ -6,7 +6,6 @@ import json
 import signal
 
 import httpx
-import pytest
 
 from server_fixtures import scrape, start_server
 

@@ -2,7 +2,6 @@
 load (must-show 6), and the small endpoints, over real HTTP with the real engine."""
 
 import asyncio
-import json
 import time
 
 import httpx

@@ -112,9 +112,6 @@ class AsyncEngine:
         with self._lock:
             return self._stats
 
-    def num_active(self) -> int:
-        return len(self._streams)
-
     # ------------------------------------------------------------------ asyncio side
 
     async def add_many(self, requests: list[tuple[str, str | list[int], SamplingParams, str | None]],

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..metrics import ServerMetrics
 from .async_engine import AsyncEngine
@@ -28,6 +28,7 @@ class ServerSettings:
         shutdown_timeout: seconds in-flight requests get to finish after SIGTERM.
         max_model_len / max_num_batched_tokens: only size the token histograms before the engine is loaded.
         retry_after_s: value of the Retry-After header on 429/503.
+        root: what /v1/models reports as each model's ``root`` (the --model value).
     """
 
     served_model_names: list[str]
@@ -38,7 +39,6 @@ class ServerSettings:
     max_num_batched_tokens: int = 2048
     retry_after_s: int = 1
     root: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class ServerState:
