@@ -169,7 +169,7 @@ class AsyncEngine:
         self._cmds.put(_Abort(request_id))
 
     def abort_all(self) -> list[str]:
-        """Abort every live request (drain timeout); their ``generate`` iterators raise RequestAborted."""
+        """Abort every live request (drain timeout); iterating their streams raises RequestAborted."""
         ids = list(self._streams)
         for rid in ids:
             q = self._streams.pop(rid, None)
