@@ -60,7 +60,7 @@ _STOP = object()
 
 
 class AsyncEngine:
-    """Runs an ``LLMEngine`` in its own thread and exposes ``generate`` as an async iterator.
+    """Runs an ``LLMEngine`` in its own thread; ``add_many`` returns one async ``RequestStream`` per request.
 
     Args:
         engine: an ``LLMEngine`` (anything with add_request/abort_request/step/has_unfinished/get_stats).
