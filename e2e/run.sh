@@ -61,7 +61,7 @@ up() {
     --set image.repository="${OPERATOR_IMAGE%%:*}" \
     --set image.tag="${OPERATOR_IMAGE##*:}" \
     --set image.pullPolicy=Never \
-    --set logLevel=verbose \
+    --set logLevel=debug \
     --wait --timeout 5m
   "$KUBECTL" --context "$KUBE_CONTEXT" wait --for=condition=Established \
     crd/inferenceservices.serving.kvfleet.dev --timeout=60s

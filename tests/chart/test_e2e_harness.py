@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from .conftest import render_chart
+
 REPO = Path(__file__).resolve().parents[2]
 RUN_SH = REPO / "e2e" / "run.sh"
 WORKFLOWS = REPO / ".github" / "workflows"
@@ -67,6 +69,29 @@ def test_run_sh_builds_what_the_sample_and_chart_use():
     assert sample["spec"]["engine"].get("imagePullPolicy", "IfNotPresent") != "Always"  # kind-loaded image
     kind_cfg = yaml.safe_load((REPO / "e2e/kind-config.yaml").read_text())
     assert kind_cfg["kind"] == "Cluster" and kind_cfg["apiVersion"] == "kind.x-k8s.io/v1alpha4"
+
+
+def test_run_sh_helm_flags_are_accepted_by_the_chart(helm):
+    """The `--set` values run.sh installs the chart with pass the chart's values schema (a value
+    the schema refuses, e.g. logLevel=verbose, would only fail in CI's kind cluster)."""
+    text = RUN_SH.read_text()
+    block = re.search(r'"\$HELM" upgrade --install (.*?)--wait', text, re.S).group(1)
+    variables = dict(re.findall(r'^([A-Z_]+)="([^"$]+)"', text, re.M))
+    sets = []
+    for value in re.findall(r"--set (\S+)", block):
+        value = value.replace('"', "")
+        value = re.sub(r"\$\{(\w+)%%:\*\}", lambda m: variables[m.group(1)].split(":")[0], value)
+        value = re.sub(r"\$\{(\w+)##\*:\}", lambda m: variables[m.group(1)].split(":")[1], value)
+        assert "$" not in value, f"unresolved shell expansion in --set {value}"
+        sets.append(value)
+    assert any(s.startswith("image.repository=") for s in sets)
+    manifests = render_chart(helm, sets=sets, namespace=variables["OPERATOR_NS"])
+    dep = next(m for m in manifests if m["kind"] == "Deployment")
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == variables["OPERATOR_IMAGE"]
+    assert container["imagePullPolicy"] == "Never"  # kind-loaded image
+    # tests/e2e: the release is named so that the operator Deployment is "kvfleet".
+    assert dep["metadata"]["name"] == variables["RELEASE"] == "kvfleet"
 
 
 # --- the pytest e2e suite skips here, with its reason --------------------------------------------
