@@ -18,7 +18,7 @@ import yaml
 
 from .conftest import CHART, VALUES_ALL, HelmError, render_chart, run_helm
 
-KUBE_VERSIONS = ("1.29.0", "1.35.0")
+KUBE_VERSIONS = ("1.30.0", "1.35.0")
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 CR_SCHEMAS = {
     "monitoring.coreos.com/v1": SCHEMAS / "servicemonitor-monitoring.coreos.com-v1.json",
@@ -267,11 +267,19 @@ def test_rbac_can_be_left_to_the_cluster_admin(helm):
     assert not {"ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} & {m["kind"] for m in manifests}
 
 
-def test_kubernetes_older_than_the_crds_need_is_refused(helm):
-    """The CRD's CEL validation rules need Kubernetes 1.29 (Chart.yaml kubeVersion)."""
+def test_kubernetes_older_than_the_serving_pods_need_is_refused(helm):
+    """Chart.yaml kubeVersion: 1.30, the first release with the preStop `sleep` action on by
+    default, which every serving pod the operator renders uses (a 1.29 API server drops it)."""
     with pytest.raises(HelmError, match="kubeVersion"):
-        run_helm(helm, "template", "kvfleet", str(CHART), "--kube-version", "1.28.0")
-    assert run_helm(helm, "template", "kvfleet", str(CHART), "--kube-version", "1.29.0")
+        run_helm(helm, "template", "kvfleet", str(CHART), "--kube-version", "1.29.9")
+    assert run_helm(helm, "template", "kvfleet", str(CHART), "--kube-version", "1.30.0")
+    render = pytest.importorskip("kvfleet_operator.render")
+    admission = pytest.importorskip("kvfleet_operator.admission")
+    sample = yaml.safe_load((CHART.parents[1] / "crds/samples/smollm2-135m-cpu.yaml").read_text())
+    sample["metadata"]["namespace"] = "default"
+    pod = render.render(admission.apply_defaults(sample, admission.schema())).deployment["spec"]["template"]["spec"]
+    assert any("sleep" in (c.get("lifecycle") or {}).get("preStop", {}) for c in pod["containers"]), \
+        "the serving pods no longer use the preStop sleep action: Chart.yaml kubeVersion may go back to 1.29"
 
 
 def test_versions_agree():

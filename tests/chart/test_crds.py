@@ -39,4 +39,4 @@ def test_chart_crds_hold_only_crds():
 def test_chart_crds_are_valid(path):
     for doc in yaml.safe_load_all(path.read_text()):
         if doc is not None:
-            kubernetes_validate.validate(doc, "1.29.0", strict=True)
+            kubernetes_validate.validate(doc, "1.30.0", strict=True)
