@@ -240,10 +240,24 @@ def test_all_options_land(rendered_all):
     (["metrics.serviceMonitor.interval=30 seconds"], "interval"),
     (["health.port=80"], "health"),
     (["metrics.port=8080"], "health.port and metrics.port must differ"),
+    (["securityContext.readOnlyRootFileSystem=true"], "readOnlyRootFileSystem"),
+    (["podSecurityContext.runAsUser=-1"], "runAsUser"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_schema_refuses_bad_values(helm, sets, message):
     with pytest.raises(HelmError, match=message):
         render_chart(helm, sets=sets)
+
+
+@pytest.mark.parametrize("key, definition", [("podSecurityContext", "podsecuritycontext-v1.json"),
+                                             ("securityContext", "securitycontext-v1.json")])
+def test_security_context_values_know_kubernetes_fields(key, definition):
+    """values.schema.json lists exactly the fields of Kubernetes' (Pod)SecurityContext of the newest
+    version the tests validate against: a misspelt field is refused at install, a new one is known."""
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"][key]
+    assert schema["additionalProperties"] is False
+    k8s = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema" / \
+        f"v{KUBE_VERSIONS[-1]}-local-strict" / definition
+    assert sorted(schema["properties"]) == sorted(json.loads(k8s.read_text())["properties"])
 
 
 def test_servicemonitor_needs_the_metrics_service(helm):
