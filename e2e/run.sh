@@ -89,13 +89,12 @@ down() {
 }
 
 all() {
+  preflight
+  # Whatever fails (cluster, image build, helm install or a test): diagnostics, then the cluster
+  # goes unless KEEP_CLUSTER=1; the exit status is the failure's.
+  trap 'rc=$?; [ "$rc" = 0 ] || diagnose; [ "${KEEP_CLUSTER:-0}" = 1 ] || down; exit "$rc"' EXIT
   up
-  if ! run_tests; then
-    diagnose
-    [ "${KEEP_CLUSTER:-0}" = 1 ] || down
-    exit 1
-  fi
-  [ "${KEEP_CLUSTER:-0}" = 1 ] || down
+  run_tests
 }
 
 case "${1:-all}" in

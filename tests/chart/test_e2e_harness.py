@@ -59,6 +59,31 @@ def test_run_sh_preflight_names_what_is_missing(tmp_path):
     assert "creating kind cluster" not in proc.stderr
 
 
+def test_run_sh_failure_diagnoses_and_deletes_the_cluster(tmp_path):
+    """`all` with an image build that fails: diagnostics are printed, the kind cluster is deleted
+    (unless KEEP_CLUSTER=1) and the exit status is the build's."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    scripts = {
+        "docker": 'case "$1" in info) echo 28.2.2;; build) echo "build broke" >&2; exit 3;; esac',
+        "kind": 'echo "kind $*" >&2; [ "$1 $2" = "get clusters" ] && echo kvfleet-e2e; exit 0',
+        "kubectl": 'echo "kubectl $*" >&2',
+        "helm": 'echo "helm $*" >&2',
+    }
+    for name, body in scripts.items():
+        (fake / name).write_text(f"#!/bin/sh\n{body}\n")
+        (fake / name).chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", str(RUN_SH), "all"], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 3, proc.stderr
+    assert "==> diagnostics" in proc.stderr and "kubectl --context kind-kvfleet-e2e get infsvc" in proc.stderr
+    assert "kind delete cluster --name kvfleet-e2e" in proc.stderr
+    assert "helm upgrade" not in proc.stderr  # stopped at the failure
+    proc = subprocess.run(["bash", str(RUN_SH), "all"], capture_output=True, text=True, timeout=30,
+                          env={**env, "KEEP_CLUSTER": "1"})
+    assert proc.returncode == 3 and "kind delete cluster" not in proc.stderr
+
+
 def test_run_sh_builds_what_the_sample_and_chart_use():
     text = RUN_SH.read_text()
     for path in ("operator/Dockerfile", "serving_image/Dockerfile.cpu", "e2e/kind-config.yaml", "charts/kvfleet"):
