@@ -1,0 +1,43 @@
+"""EngineConfig resolution: bundled model aliases, served name, dtype/device defaults."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvfleet_server import EngineConfig
+from kvfleet_server.config import resolve_model
+from kvfleet_server.errors import UnsupportedFeatureError
+
+
+def test_bundled_model_aliases():
+    path = resolve_model(None)
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
+    assert resolve_model("smollm2") == resolve_model("SmolLM2") == path
+    assert resolve_model("/some/dir") == "/some/dir"
+    assert EngineConfig().resolved_served_name() == "SmolLM2-135M-Instruct"
+    assert EngineConfig(model="/models/llama-3").resolved_served_name() == "llama-3"
+    assert EngineConfig(model="/m/tiny.gguf").resolved_served_name() == "tiny"
+    assert EngineConfig(served_model_name="x").resolved_served_name() == "x"
+
+
+def test_dtype_defaults_on_cpu():
+    cfg = EngineConfig(device="cpu")
+    assert cfg.resolved_device() == "cpu" and cfg.resolved_dtype() == torch.float32
+    assert EngineConfig(device="cpu", dtype="bfloat16").resolved_dtype() == torch.bfloat16
+    with pytest.raises(UnsupportedFeatureError, match="float16 on CPU"):
+        EngineConfig(device="cpu", dtype="float16").resolved_dtype()
+
+
+def test_bfloat16_engine_runs(tiny_engine_factory):
+    from kvfleet_server import SamplingParams
+
+    eng = tiny_engine_factory(dtype="bfloat16", block_size=4)
+    assert eng.runner.kv_caches[0][0].dtype == torch.bfloat16
+    eng.add_request("a", [5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    out = []
+    while eng.has_unfinished():
+        out += eng.step()
+    assert len(out[-1].outputs[0].token_ids) == 5
