@@ -242,6 +242,7 @@ def test_all_options_land(rendered_all):
     (["metrics.port=8080"], "health.port and metrics.port must differ"),
     (["securityContext.readOnlyRootFileSystem=true"], "readOnlyRootFileSystem"),
     (["podSecurityContext.runAsUser=-1"], "runAsUser"),
+    (["updateStrategy.type=Recreate", "updateStrategy.rollingUpdate.maxSurge=1"], "updateStrategy"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_schema_refuses_bad_values(helm, sets, message):
     with pytest.raises(HelmError, match=message):
