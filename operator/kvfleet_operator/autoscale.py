@@ -27,6 +27,11 @@ vLLM-style servers watch, with the known failures of other autoscalers designed 
   the Ready pods cannot be read — or none is Ready — the size is held, the hold is recorded in the
   history (as a recommendation of the current size, so a later scale-down still waits a full window
   of real data) and the reason is reported.
+* **Bad samples are missing data.** A KV usage outside [0, 1] or a negative or non-finite count
+  (a broken exporter) is treated like a metric the pod does not export; a Ready pod with no valid
+  sample of either metric counts as unreadable.
+* **Clock.** A ``now`` earlier than the history (a wall clock stepped back) discards the history, as
+  after a restart: the unknown past counts as the current size for one window.
 * **Bounds.** Recommendations and results are clamped to ``[minReplicas, maxReplicas]``; a size
   outside the bounds (the user changed them) is corrected at once, even while holding.
 
@@ -185,8 +190,8 @@ class Decision:
     starting: int = 0
     direction: str = field(default="none")  # "up", "down" or "none"
     # CamelCase reason for status/Events: KVCacheUsageHigh, QueueLengthHigh, LoadLow, WithinTarget,
-    # ReplicasStarting, ScaleUpStabilizing, ScaleDownStabilizing, MetricsUnavailable,
-    # BelowMinReplicas, AboveMaxReplicas.
+    # ReplicasStarting, ScaleUpStabilizing, ScaleDownStabilizing, ScalingLimited (at maxReplicas,
+    # the load asks for more), MetricsUnavailable, BelowMinReplicas, AboveMaxReplicas.
     code: str = "WithinTarget"
 
 
@@ -206,7 +211,7 @@ def _metric_proposal(values: Sequence[float], target: float, ready: int, current
     readable = len(values)
     mean = sum(values) / readable
     ratio = mean / target
-    text = f"{label} {format(mean, fmt)}"
+    text = f"{label} {format(mean, fmt if mean < 1e6 else '.3g')}"  # no 300-digit reasons
     target_text = format(target, target_fmt)
     if abs(ratio - 1.0) <= tolerance:
         return _Proposal(current, ratio, text, target_text)
@@ -219,6 +224,23 @@ def _metric_proposal(values: Sequence[float], target: float, ready: int, current
     # unreadable Ready pod keeps its replica (its load is unknown, never assumed zero).
     n = math.ceil(readable * ratio - 1e-9) + (ready - readable)
     return _Proposal(min(current, n), ratio, text, target_text)
+
+
+def _valid(value: float | None, upper: float) -> float | None:
+    """``value`` if it is a finite number in [0, upper], else None (a broken sample is no data)."""
+    if value is None or not math.isfinite(value) or not 0.0 <= value <= upper:
+        return None
+    return float(value)
+
+
+def _sanitized(m: PodMetrics | None) -> PodMetrics | None:
+    """A pod's metrics with invalid samples dropped; None when neither decision metric is valid."""
+    if m is None:
+        return None
+    kv, waiting = _valid(m.kv_cache_usage, 1.0), _valid(m.num_requests_waiting, math.inf)
+    if kv is None and waiting is None:
+        return None
+    return PodMetrics(kv, waiting, _valid(m.num_requests_running, math.inf))
 
 
 def _clamp(n: int, policy: AutoscalingPolicy) -> int:
@@ -249,13 +271,17 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
     """
     if current_replicas < 0:
         raise ValueError(f"current_replicas={current_replicas} must be >= 0")
+    if (history.started_at is not None and now < history.started_at) or any(
+            r.at > now for r in history.recommendations):
+        history = History()  # the clock went backwards: the past is unknown, as after a restart
     started_at = history.started_at if history.started_at is not None else now
     keep = max(policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds)
 
     ready_pods = [p for p in pods if p.ready]
     starting = [p for p in pods if not p.ready and not p.crashing
                 and p.age_seconds <= policy.startup_timeout_seconds]
-    readable = [p.metrics for p in ready_pods if p.metrics is not None]
+    metrics = [_sanitized(p.metrics) for p in ready_pods]
+    readable = [m for m in metrics if m is not None]
     n_ready, n_readable = len(ready_pods), len(readable)
 
     kv_values = [m.kv_cache_usage for m in readable if m.kv_cache_usage is not None]
@@ -284,8 +310,9 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
                     else "no Ready pods to measure")
     elif n_ready - n_readable > n_ready / 2:
         hold_why = f"metrics of {n_ready - n_readable} of {n_ready} Ready pods unreadable"
-    elif not kv_values and not wait_values:
-        hold_why = "pods export neither vllm:kv_cache_usage_perc nor vllm:num_requests_waiting"
+        if n_readable == 0 and any(p.metrics is not None for p in ready_pods):
+            hold_why += (" (no valid vllm:kv_cache_usage_perc or vllm:num_requests_waiting "
+                         "sample)")
     if hold_why is not None:
         recs = history.recommendations + (Recommendation(now, _clamp(current_replicas, policy)),)
         desired = _clamp(current_replicas, policy)
@@ -338,6 +365,9 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
         elif rec < current_replicas:
             holds.append(f"scale-down to {rec} waits for the {down_window:g}s scale-down window "
                          f"(highest recent recommendation {down_target})")
+        elif winner.replicas > policy.max_replicas >= current_replicas:
+            holds.append(f"{winner_text} asks for {winner.replicas} replicas; limited by "
+                         f"maxReplicas {policy.max_replicas}")
 
     # --- Scale-up step limit, and capacity on the way. ---------------------------------------
     if desired > current_replicas:
@@ -381,5 +411,6 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
         last = holds[-1] if holds else ""
         code = ("ReplicasStarting" if "capacity on the way" in last
                 else "ScaleUpStabilizing" if "scale-up window" in last
-                else "ScaleDownStabilizing" if "scale-down window" in last else "WithinTarget")
+                else "ScaleDownStabilizing" if "scale-down window" in last
+                else "ScalingLimited" if "limited by maxReplicas" in last else "WithinTarget")
     return finish(desired, reason, tuple(holds), rec, recs, code)

@@ -129,7 +129,12 @@ def test_crashing_pod_does_not_block_decisions():
     (unreadable(1), "metrics of 1 of 1 Ready pods unreadable"),
     (starting(3), "no Ready pods"),
     ([PodObservation("x", ready=True, age_seconds=5, metrics=PodMetrics())],
-     "export neither"),
+     "no valid vllm:kv_cache_usage_perc or vllm:num_requests_waiting"),
+    # A broken exporter's samples (NaN, negative, KV > 1) are no data: 2 of 3 pods unreadable.
+    (ready(1, kv=0.5) + [PodObservation(f"b{i}", ready=True, age_seconds=1000,
+                                        metrics=PodMetrics(bad, -bad, 1))
+                         for i, bad in enumerate((float("nan"), float("inf")))],
+     "metrics of 2 of 3 Ready pods unreadable"),
 ])
 def test_missing_data_holds_with_reason(pods, hold_part):
     now = 10_000.0
@@ -226,3 +231,52 @@ def test_load_below_band_never_proposes_more_and_above_never_fewer():
     # 2 Ready + 2 starting, heavy load: ceil(2 × 1.2) = 3 < 4 must not count as a scale-down wish.
     d = decide(POLICY, 4, ready(2, kv=0.96) + starting(2), warm_history(now, 4), now)
     assert d.recommendation == 4 and d.desired_replicas == 4
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5, 1.7])
+def test_a_bad_kv_sample_is_missing_data_not_load(bad):
+    """One pod's broken KV gauge neither crashes the decision nor moves it: it counts like a pod
+    that does not export the metric (its replica is kept on a scale-down)."""
+    now = 10_000.0
+    broken = [PodObservation("bad", ready=True, age_seconds=1000,
+                             metrics=PodMetrics(kv_cache_usage=bad, num_requests_waiting=0.0))]
+    d = decide(POLICY, 3, ready(2, kv=0.05) + broken, warm_history(now - 400, 1), now)
+    # The 2 readable pods need 1 replica; the broken one keeps its own: 2 (0.05 alone would say 1).
+    assert d.desired_replicas == 2 and d.kv_cache_usage == pytest.approx(0.05)
+    d = decide(POLICY, 3, ready(2, kv=0.95) + broken, warm_history(now, 3), now)
+    # Scaling up extrapolates the readable mean to it: ceil(3 × 0.95/0.8) = 4.
+    assert d.desired_replicas == 4
+    d = decide(POLICY, 2, [PodObservation("w", True, 1000, metrics=PodMetrics(0.5, float("inf"), 1))] * 2,
+               warm_history(now, 2), now)
+    assert d.desired_replicas == 2 and d.waiting_per_replica is None
+
+
+def test_clock_going_backwards_counts_as_a_restart():
+    """History stamped in the future (a wall clock stepped back) would block scale-downs until the
+    clock caught up; it is discarded instead and a quiet service goes down one window later."""
+    now = 10_000.0
+    hist = History((Recommendation(now + 3000, 8),), started_at=now - 1000)
+    sizes = []
+    t = now
+    while t <= now + 330:
+        d = decide(POLICY, 4, ready(4, kv=0.05), hist, t)
+        hist = d.history
+        sizes.append((t - now, d.desired_replicas))
+        t += 15
+    assert all(n == 4 for dt, n in sizes if dt < 300)
+    assert sizes[-1][1] == 1
+    assert all(r.at <= now + 330 for r in hist.recommendations)
+
+
+def test_at_max_replicas_with_more_load_says_so():
+    policy = AutoscalingPolicy(min_replicas=3, max_replicas=3)
+    now = 10_000.0
+    d = decide(policy, 3, ready(3, kv=1.0, waiting=40), warm_history(now, 3), now)
+    assert d.desired_replicas == 3 and d.code == "ScalingLimited"
+    assert "asks for 24 replicas; limited by maxReplicas 3" in d.reason
+
+
+def test_huge_queue_is_reported_readably():
+    now = 10_000.0
+    d = decide(POLICY, 2, ready(2, waiting=1e300), warm_history(now, 2), now)
+    assert d.desired_replicas == 4 and "waiting requests 1e+300/replica > target 5" in d.reason

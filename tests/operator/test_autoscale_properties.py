@@ -188,3 +188,35 @@ def test_recommendation_never_falls_when_load_rises(policy, current, observed, h
     assert after.desired_replicas >= before.desired_replicas
     if before.recommendation is not None and after.recommendation is not None:
         assert after.recommendation >= before.recommendation
+
+
+# Loads around the targets (both scale-up and scale-down regimes are common).
+light_fleets = st.lists(st.builds(PodObservation, name=st.text(min_size=1, max_size=3),
+                                  ready=st.just(True), age_seconds=st.floats(0, 2000),
+                                  metrics=st.builds(PodMetrics, kv_cache_usage=st.floats(0, 1),
+                                                    num_requests_waiting=st.integers(0, 12).map(float),
+                                                    num_requests_running=st.just(1.0))),
+                        min_size=1, max_size=10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies(), st.integers(0, 20), light_fleets, pods, histories(), st.data())
+def test_an_unreadable_pod_is_never_assumed_lighter_than_the_readable_ones(policy, current, fleet, others,
+                                                                          history, data):
+    """A pod whose scrape failed counts at least as much as a pod carrying the readable pods' mean
+    load (scaling up extrapolates the mean to it, scaling down keeps its replica)."""
+    observed_others = [p for p in others if not p.ready]
+    lost = set(data.draw(st.lists(st.sampled_from(range(len(fleet))), unique=True)))
+    assume(len(lost) <= len(fleet) / 2)
+    kept = [p.metrics for i, p in enumerate(fleet) if i not in lost]
+    mean = PodMetrics(sum(m.kv_cache_usage for m in kept) / len(kept),
+                      sum(m.num_requests_waiting for m in kept) / len(kept), 1.0)
+
+    def replaced(m: PodMetrics | None) -> list[PodObservation]:
+        return [dataclasses.replace(p, metrics=m) if i in lost else p
+                for i, p in enumerate(fleet)] + observed_others
+    d_missing = decide(policy, current, replaced(None), history, NOW)
+    d_mean = decide(policy, current, replaced(mean), history, NOW)
+    assert d_mean.desired_replicas <= d_missing.desired_replicas
+    if d_mean.recommendation is not None and d_missing.recommendation is not None:
+        assert d_mean.recommendation <= d_missing.recommendation
