@@ -167,7 +167,7 @@ async def tick(obj: Mapping[str, Any], state: AutoscalerState, client: kube.Kube
 
     # Apply under the reconcile's lock of this object, and only if nobody changed the replicas
     # while the pods were being scraped (else the next tick decides on fresh data).
-    async with handlers._lock(namespace, name):
+    async with handlers.object_lock(namespace, name):
         if decision.changed:
             live = await client.get("apps/v1", "deployments", namespace, name)
             live_replicas = None if live is None else int((live.get("spec") or {}).get("replicas", 1))
@@ -245,18 +245,22 @@ async def autoscaler_daemon(body: kopf.Body, stopped: kopf.DaemonStopped, logger
     client = kube.get_client()
     logger.info("autoscaler: started (history empty; scale-down waits one window)")
     while not stopped:
-        obj = handlers._plain(body)  # the live body kopf keeps up to date, copied for this tick
-        interval = DEFAULT_INTERVAL_SECONDS
+        obj = handlers.plain_copy(body)  # the live body kopf keeps up to date, copied for this tick
         try:
             interval = AutoscalingPolicy.from_spec(obj.get("spec") or {}).metrics_interval_seconds
-            await tick(obj, state, client, logger)
-        except ValueError as exc:
+        except ValueError as exc:  # only the spec: other errors are not reported as InvalidSpec
             logger.error(f"autoscaler: invalid autoscaling spec: {exc}")
             try:
                 await _report_invalid(client, obj, str(exc))
             except kube.ApiError as api_exc:
                 logger.warning(f"autoscaler: status write failed: {api_exc}")
+            await stopped.wait(DEFAULT_INTERVAL_SECONDS)
+            continue
+        try:
+            await tick(obj, state, client, logger)
         except kube.ApiError as exc:
             logger.warning(f"autoscaler: API error, retrying next tick: {exc}")
+        except Exception:  # noqa: BLE001 - an unexpected object shape: log it, keep the loop and its history
+            logger.exception("autoscaler: tick failed, retrying next tick")
         await stopped.wait(max(1.0, interval))
     logger.info(f"autoscaler: stopped ({stopped.reason})")

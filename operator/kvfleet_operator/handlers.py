@@ -73,7 +73,8 @@ async def cleanup(**_: Any) -> None:
     await kube.close_client()
 
 
-def _lock(namespace: str, name: str) -> asyncio.Lock:
+def object_lock(namespace: str, name: str) -> asyncio.Lock:
+    """The lock that serialises writes to one InferenceService's children (reconcile, autoscaler)."""
     key = (id(asyncio.get_running_loop()), namespace, name)
     if key not in _locks:
         _locks[key] = asyncio.Lock()
@@ -98,7 +99,7 @@ async def reconcile(obj: dict[str, Any], logger: logging.Logger | logging.Logger
     namespace, name = meta.get("namespace") or "default", meta["name"]
     client = kube.get_client()
     started = time.monotonic()
-    async with _lock(namespace, name):
+    async with object_lock(namespace, name):
         try:
             written = await _reconcile(client, obj, namespace, name, logger)
             metrics.RECONCILES.labels(result="success").inc()
@@ -210,7 +211,7 @@ def _backoff(retry: int) -> float:
 async def reconcile_handler(body: kopf.Body, retry: int, logger: logging.Logger, **_: Any) -> None:
     """Reconcile on create / update / resume; permanent failure for unrealisable specs."""
     try:
-        await reconcile(_plain(body), logger)
+        await reconcile(plain_copy(body), logger)
     except Degraded as exc:
         if exc.retryable:
             raise kopf.TemporaryError(str(exc), delay=_backoff(retry)) from None
@@ -219,7 +220,7 @@ async def reconcile_handler(body: kopf.Body, retry: int, logger: logging.Logger,
         raise kopf.TemporaryError(f"API error, retrying: {exc}", delay=_backoff(retry)) from None
 
 
-def _plain(body: Any) -> dict[str, Any]:
+def plain_copy(body: Any) -> dict[str, Any]:
     """A deep, mutable copy of kopf's body."""
     return copy.deepcopy(dict(body))
 
