@@ -77,8 +77,16 @@ def _is_ready(pod: Mapping[str, Any]) -> bool:
 
 
 def _is_crashing(pod: Mapping[str, Any]) -> bool:
+    """Not Ready and not on its way: failed, restarted, cannot start, or already started once.
+
+    A container whose ``started`` is True has passed its startup probe (the rendered pods always
+    have one); a pod that is unready after that is not capacity on the way (an overloaded or broken
+    engine) and must not hold scale-ups for up to ``startupTimeoutSeconds``."""
     status = pod.get("status") or {}
     if status.get("phase") in ("Failed", "Succeeded"):
+        return True
+    statuses = status.get("containerStatuses") or []
+    if statuses and all(cs.get("started") is True for cs in statuses):
         return True
     for cs in status.get("containerStatuses") or []:
         if cs.get("ready"):

@@ -16,14 +16,16 @@ from kvfleet_operator.autoscaler import _event, observe_pod
 NOW = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 
 
-def pod(phase="Running", ready=True, restarts=0, waiting=None, terminated=False, created="2026-01-01T11:59:00Z"):
+def pod(phase="Running", ready=True, restarts=0, waiting=None, terminated=False, created="2026-01-01T11:59:00Z",
+        started=None):
     state = {"waiting": {"reason": waiting}} if waiting else {"terminated": {"exitCode": 1}} if terminated \
         else {"running": {}}
     return {"metadata": {"name": "p", "creationTimestamp": created},
             "status": {"phase": phase,
                        "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
                        "containerStatuses": [{"name": "c", "ready": ready, "restartCount": restarts,
-                                              "image": "i", "imageID": "x", "state": state}]}}
+                                              "image": "i", "imageID": "x", "state": state,
+                                              "started": ready if started is None else started}]}}
 
 
 @pytest.mark.parametrize("obj,ready,crashing", [
@@ -36,6 +38,9 @@ def pod(phase="Running", ready=True, restarts=0, waiting=None, terminated=False,
     (pod(ready=False, terminated=True), False, True),
     (pod(phase="Failed", ready=False), False, True),
     (pod(ready=True, restarts=2), True, False),  # recovered and Ready: counts as Ready
+    # Passed its startup probe, then lost readiness (overloaded or broken engine): not on its way,
+    # so it does not hold scale-ups for up to startupTimeoutSeconds.
+    (pod(ready=False, started=True), False, True),
 ])
 def test_observe_pod_classifies_ready_starting_crashing(obj, ready, crashing):
     o = observe_pod(obj, NOW)

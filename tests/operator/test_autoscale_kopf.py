@@ -69,7 +69,7 @@ def pod(name: str, labels: dict, port: int, ready: bool) -> dict:
                            {"type": "Initialized", "status": "True"},
                            {"type": "ContainersReady", "status": "True" if ready else "False"},
                            {"type": "Ready", "status": "True" if ready else "False"}],
-            "containerStatuses": [{"name": "kvfleet-server", "ready": ready, "started": True,
+            "containerStatuses": [{"name": "kvfleet-server", "ready": ready, "started": ready,
                                    "restartCount": 0, "image": "kvfleet-server:cpu",
                                    "imageID": "docker.io/library/kvfleet-server@sha256:" + "0" * 64,
                                    "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}}],
