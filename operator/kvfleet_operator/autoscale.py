@@ -9,6 +9,10 @@ vLLM-style servers watch, with the known failures of other autoscalers designed 
   ``targetKVCacheUsage``; waiting requests per ready pod against ``targetQueueLength``.
 * **Tolerance.** A metric whose ratio observed/target lies within ``1 ± tolerance`` proposes the
   current size (no flapping from noise).
+* **Hysteresis on scale-down.** A scale-down proposes the size at which the load lands on the
+  band's lower edge, ``ceil(readable × ratio / (1 − tolerance))``, instead of HPA's
+  ``ceil(readable × ratio)`` (which lands on the target, one noisy sample below a scale-up): after
+  a scale-down the same load may rise by ``(1 + tol)/(1 − tol)`` (22 % at 10 %) before a scale-up.
 * **Stabilization.** Every recommendation is kept with its timestamp. Scaling up goes to the *lowest*
   recommendation within ``scaleUpStabilizationSeconds`` (0 = at once); scaling down goes to the
   *highest* recommendation within ``scaleDownStabilizationSeconds`` (HPA's behaviour). The part of a
@@ -220,9 +224,12 @@ def _metric_proposal(values: Sequence[float], target: float, ready: int, current
     if ratio > 1.0:
         # Unreadable Ready pods are assumed to carry the readable pods' mean load.
         return _Proposal(max(current, math.ceil(ready * ratio - 1e-9)), ratio, text, target_text)
-    # Scaling down: the readable pods' load needs ceil(readable × ratio) replicas; every
-    # unreadable Ready pod keeps its replica (its load is unknown, never assumed zero).
-    n = math.ceil(readable * ratio - 1e-9) + (ready - readable)
+    # Scaling down: the readable pods' load needs ceil(readable × ratio / (1 - tolerance))
+    # replicas — the size at which it sits at the *lower* edge of the band, not at the target, so
+    # that the same load plus noise within the band cannot ask for a scale-up right after (HPA
+    # lands on the target, one +10 % sample away from scaling up again). Every unreadable Ready
+    # pod keeps its replica (its load is unknown, never assumed zero).
+    n = math.ceil(readable * ratio / (1.0 - tolerance) - 1e-9) + (ready - readable)
     return _Proposal(min(current, n), ratio, text, target_text)
 
 

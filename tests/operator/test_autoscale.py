@@ -280,3 +280,14 @@ def test_huge_queue_is_reported_readably():
     now = 10_000.0
     d = decide(POLICY, 2, ready(2, waiting=1e300), warm_history(now, 2), now)
     assert d.desired_replicas == 4 and "waiting requests 1e+300/replica > target 5" in d.reason
+
+
+def test_scale_down_lands_on_the_lower_band_edge_not_the_target():
+    """10 pods at KV 0.60 (ratio 0.75): HPA's ceil(10 × 0.75) = 8 would put the load at 0.75 per
+    pod, one +10 % sample from a scale-up; kvfleet goes to ceil(7.5 / 0.9) = 9 (0.67 per pod)."""
+    now = 10_000.0
+    d = decide(POLICY, 10, ready(10, kv=0.6, waiting=0), warm_history(now - 400, 1), now)
+    assert d.desired_replicas == 9 and d.code == "LoadLow"
+    # Just below the band (ratio 0.85): no smaller size puts the load at <= 0.9 of the target.
+    d = decide(POLICY, 10, ready(10, kv=0.68, waiting=0), warm_history(now - 400, 1), now)
+    assert d.desired_replicas == 10

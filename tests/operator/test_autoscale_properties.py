@@ -220,3 +220,26 @@ def test_an_unreadable_pod_is_never_assumed_lighter_than_the_readable_ones(polic
     assert d_mean.desired_replicas <= d_missing.desired_replicas
     if d_mean.recommendation is not None and d_missing.recommendation is not None:
         assert d_mean.recommendation <= d_missing.recommendation
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies(), st.integers(1, 16), st.floats(0.0, 0.95), st.floats(0.0, 0.95))
+def test_after_a_scale_down_the_same_load_plus_band_noise_asks_for_no_scale_up(policy, n, kv_ratio,
+                                                                               q_ratio):
+    """Hysteresis: a scale-down lands where the load sits at the band's lower edge, so the same
+    total load on the smaller fleet may grow by (1 + tol)/(1 - tol) before a scale-up."""
+    policy = dataclasses.replace(policy, scale_down_stabilization_seconds=0,
+                                 scale_up_stabilization_seconds=0)
+    n = max(policy.min_replicas, min(policy.max_replicas, n))
+    kv, waiting = kv_ratio * policy.target_kv_cache_usage, q_ratio * policy.target_queue_length
+    fleet = [PodObservation(f"p{i}", True, 1000, False, PodMetrics(kv, waiting, 1.0))
+             for i in range(n)]
+    d = decide(policy, n, fleet, History((), NOW - 5000), NOW)
+    assume(d.direction == "down")
+    m = d.desired_replicas
+    grow = (1 + policy.tolerance) / (1 - policy.tolerance) * 0.999
+    after = [PodObservation(f"p{i}", True, 1000, False,
+                            PodMetrics(min(1.0, kv * n / m * grow), waiting * n / m * grow, 1.0))
+             for i in range(m)]
+    d2 = decide(policy, m, after, d.history, NOW + 15)
+    assert d2.direction != "up", (d.reason, d2.reason)
