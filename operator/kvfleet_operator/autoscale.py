@@ -82,12 +82,12 @@ class AutoscalingPolicy:
                              "must be in (0, 1]")
         if not self.target_queue_length > 0:
             raise ValueError(f"autoscaling.targetQueueLength={self.target_queue_length} must be > 0")
-        for name, value in (("scaleUpStabilizationSeconds", self.scale_up_stabilization_seconds),
-                            ("scaleDownStabilizationSeconds", self.scale_down_stabilization_seconds),
-                            ("probes.startupTimeoutSeconds", self.startup_timeout_seconds)):
+        for name, value in (
+                ("autoscaling.scaleUpStabilizationSeconds", self.scale_up_stabilization_seconds),
+                ("autoscaling.scaleDownStabilizationSeconds", self.scale_down_stabilization_seconds),
+                ("probes.startupTimeoutSeconds", self.startup_timeout_seconds)):
             if value < 0:
-                raise ValueError(f"autoscaling.{name}={value} must be >= 0"
-                                 if not name.startswith("probes") else f"{name}={value} must be >= 0")
+                raise ValueError(f"{name}={value} must be >= 0")
         if not self.metrics_interval_seconds > 0:
             raise ValueError(f"autoscaling.metricsIntervalSeconds={self.metrics_interval_seconds} "
                              "must be > 0")
@@ -205,32 +205,35 @@ class _Proposal:
     ratio: float
     text: str  # "kv cache usage 0.93" / "waiting requests 7.5/replica"
     target_text: str  # "0.80" / "5"
+    code: str  # the reason code when this metric drives a scale-up
 
 
 def _metric_proposal(values: Sequence[float], target: float, ready: int, current: int,
-                     tolerance: float, label: str, fmt: str, target_fmt: str) -> _Proposal | None:
+                     tolerance: float, label: str, fmt: str, target_fmt: str, unit: str,
+                     code: str) -> _Proposal | None:
     """HPA's per-metric formula over the readable pods' values; None when no pod exported it."""
     if not values:
         return None
     readable = len(values)
     mean = sum(values) / readable
     ratio = mean / target
-    text = f"{label} {format(mean, fmt if mean < 1e6 else '.3g')}"  # no 300-digit reasons
+    text = f"{label} {format(mean, fmt if mean < 1e6 else '.3g')}{unit}"  # no 300-digit reasons
     target_text = format(target, target_fmt)
     if abs(ratio - 1.0) <= tolerance:
-        return _Proposal(current, ratio, text, target_text)
+        return _Proposal(current, ratio, text, target_text, code)
     # A load above the band never proposes fewer replicas than asked for, a load below it never
     # more (keeps the recommendation monotone in load when Ready != asked-for replicas).
     if ratio > 1.0:
         # Unreadable Ready pods are assumed to carry the readable pods' mean load.
-        return _Proposal(max(current, math.ceil(ready * ratio - 1e-9)), ratio, text, target_text)
+        return _Proposal(max(current, math.ceil(ready * ratio - 1e-9)), ratio, text, target_text,
+                         code)
     # Scaling down: the readable pods' load needs ceil(readable × ratio / (1 - tolerance))
     # replicas — the size at which it sits at the *lower* edge of the band, not at the target, so
     # that the same load plus noise within the band cannot ask for a scale-up right after (HPA
     # lands on the target, one +10 % sample away from scaling up again). Every unreadable Ready
     # pod keeps its replica (its load is unknown, never assumed zero).
     n = math.ceil(readable * ratio / (1.0 - tolerance) - 1e-9) + (ready - readable)
-    return _Proposal(min(current, n), ratio, text, target_text)
+    return _Proposal(min(current, n), ratio, text, target_text, code)
 
 
 def _valid(value: float | None, upper: float) -> float | None:
@@ -336,17 +339,14 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
     # --- Per-metric proposals (HPA formula), larger wins. ------------------------------------
     proposals = [p for p in (
         _metric_proposal(kv_values, policy.target_kv_cache_usage, n_ready, current_replicas,
-                         policy.tolerance, "kv cache usage", ".2f", ".2f"),
+                         policy.tolerance, "kv cache usage", ".2f", ".2f", "", "KVCacheUsageHigh"),
         _metric_proposal(wait_values, policy.target_queue_length, n_ready, current_replicas,
-                         policy.tolerance, "waiting requests", ".1f", "g"),
+                         policy.tolerance, "waiting requests", ".1f", "g", "/replica",
+                         "QueueLengthHigh"),
     ) if p is not None]
     # Wins: the largest proposal; on equal proposals, the metric further from its target.
     winner = max(proposals, key=lambda p: (p.replicas, abs(p.ratio - 1.0)))
     rec = _clamp(winner.replicas, policy)
-    if winner.text.startswith("waiting"):
-        winner_text = winner.text + "/replica"
-    else:
-        winner_text = winner.text
     recs = history.recommendations + (Recommendation(now, rec),)
 
     # --- Stabilization windows; the unobserved part of a window counts as the current size. ----
@@ -373,7 +373,7 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
             holds.append(f"scale-down to {rec} waits for the {down_window:g}s scale-down window "
                          f"(highest recent recommendation {down_target})")
         elif winner.replicas > policy.max_replicas >= current_replicas:
-            holds.append(f"{winner_text} asks for {winner.replicas} replicas; limited by "
+            holds.append(f"{winner.text} asks for {winner.replicas} replicas; limited by "
                          f"maxReplicas {policy.max_replicas}")
 
     # --- Scale-up step limit, and capacity on the way. ---------------------------------------
@@ -395,8 +395,8 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
     # --- The reason line. ------------------------------------------------------------------
     if desired > current_replicas:
         if winner.ratio > 1.0:
-            reason = f"{winner_text} > target {winner.target_text}"
-            code = "KVCacheUsageHigh" if winner.text.startswith("kv") else "QueueLengthHigh"
+            reason = f"{winner.text} > target {winner.target_text}"
+            code = winner.code
         else:
             reason = f"raised to minReplicas {policy.min_replicas}"
             code = "BelowMinReplicas"
@@ -406,12 +406,10 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
             code = "AboveMaxReplicas"
         else:
             code = "LoadLow"
-            parts = [f"{p.text}{'/replica' if p.text.startswith('waiting') else ''} "
-                     f"< target {p.target_text}" for p in proposals]
+            parts = [f"{p.text} < target {p.target_text}" for p in proposals]
             reason = " and ".join(parts) + (f" for {down_window:g}s" if down_window else "")
     else:
-        parts = [f"{p.text}{'/replica' if p.text.startswith('waiting') else ''} "
-                 f"(target {p.target_text})" for p in proposals]
+        parts = [f"{p.text} (target {p.target_text})" for p in proposals]
         reason = f"steady at {current_replicas}: " + ", ".join(parts)
         if holds:
             reason += "; " + "; ".join(holds)
