@@ -31,7 +31,8 @@ Capacity model of one replica (continuous batching, vLLM-style):
 Policies: ``kvfleet`` (decide() with KV usage and queue, defaults of the CRD: target KV 0.8,
 queue 5, scale-down window 300 s, capacity on the way); ``queue-only`` (decide() fed only
 ``vllm:num_requests_waiting``, with starting replicas *not* counted — how a KEDA/HPA rule on the
-waiting queue behaves); ``fixed-peak`` (a constant fleet sized for the busiest 5 minutes).
+waiting queue behaves; it keeps decide()'s stabilization windows, step limit and scale-down
+hysteresis, so it flaps less than a plain HPA rule would); ``fixed-peak`` (a constant fleet sized for the busiest 5 minutes).
 
 Reported: replica-hours, fraction of requests whose queueing delay (arrival → first scheduled)
 exceeds the TTFT target, p50/p99 queueing delay, scale events, reversals (a scale-up within one
