@@ -135,3 +135,40 @@ async def test_after_a_restart_a_quiet_service_scales_down_one_window_later(api,
     d = await tick(obj, state, api, LOG)
     assert d.changed and d.desired_replicas == 1 and d.code == "LoadLow"
     assert (await api.get("apps/v1", "deployments", "default", "svc"))["spec"]["replicas"] == 1
+
+
+class _Stopped:
+    """Stands in for kopf.DaemonStopped: true after `ticks` waits."""
+
+    def __init__(self, ticks: int):
+        self.ticks, self.reason = ticks, "test"
+
+    def __bool__(self) -> bool:
+        return self.ticks <= 0
+
+    async def wait(self, timeout: float) -> None:
+        self.ticks -= 1
+
+
+async def test_daemon_reports_a_refused_spec_as_invalid_and_survives_other_errors(api, emulator, endpoint,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(autoscaler.kube, "get_client", lambda: api)
+    obj = await _setup(api, endpoint)
+    bad = dict(obj, spec={**obj["spec"], "autoscaling": {"enabled": True, "minReplicas": 0, "maxReplicas": 2}})
+    await autoscaler.autoscaler_daemon(body=bad, stopped=_Stopped(1), logger=LOG)
+    auto = (await api.get(AV, PL, "default", "svc"))["status"]["autoscaling"]
+    assert auto["reason"] == "InvalidSpec" and "minReplicas" in auto["message"]
+
+    calls = []
+
+    async def broken_tick(obj, state, client, logger):
+        calls.append(state)
+        raise ValueError("an unexpected object shape, not the spec")
+    monkeypatch.setattr(autoscaler, "tick", broken_tick)
+    good = await api.get(AV, PL, "default", "svc")
+    await autoscaler.autoscaler_daemon(body=good, stopped=_Stopped(2), logger=LOG)
+    assert len(calls) == 2 and calls[0] is calls[1]  # the loop went on, with the same history
+    auto = (await api.get(AV, PL, "default", "svc"))["status"]["autoscaling"]
+    # Unchanged: the tick's error was not reported as an invalid spec.
+    assert auto["reason"] == "InvalidSpec" and "minReplicas" in auto["message"]
+    assert "unexpected" not in auto["message"]
