@@ -208,6 +208,14 @@ class _Proposal:
     code: str  # the reason code when this metric drives a scale-up
 
 
+_MAX_PROPOSAL = 10**9  # replicas; any maxReplicas is far below (keeps ceil() away from inf)
+
+
+def _mean(values: Sequence[float]) -> float:
+    """Mean that cannot overflow to inf for finite inputs (queue counts near float max)."""
+    return math.fsum(v / len(values) for v in values)
+
+
 def _metric_proposal(values: Sequence[float], target: float, ready: int, current: int,
                      tolerance: float, label: str, fmt: str, target_fmt: str, unit: str,
                      code: str) -> _Proposal | None:
@@ -215,7 +223,7 @@ def _metric_proposal(values: Sequence[float], target: float, ready: int, current
     if not values:
         return None
     readable = len(values)
-    mean = sum(values) / readable
+    mean = _mean(values)
     ratio = mean / target
     text = f"{label} {format(mean, fmt if mean < 1e6 else '.3g')}{unit}"  # no 300-digit reasons
     target_text = format(target, target_fmt)
@@ -225,8 +233,9 @@ def _metric_proposal(values: Sequence[float], target: float, ready: int, current
     # more (keeps the recommendation monotone in load when Ready != asked-for replicas).
     if ratio > 1.0:
         # Unreadable Ready pods are assumed to carry the readable pods' mean load.
-        return _Proposal(max(current, math.ceil(ready * ratio - 1e-9)), ratio, text, target_text,
-                         code)
+        want = ready * ratio  # finite: values are finite, so is their mean; huge -> capped
+        n = math.ceil(want - 1e-9) if want < _MAX_PROPOSAL else _MAX_PROPOSAL
+        return _Proposal(max(current, n), ratio, text, target_text, code)
     # Scaling down: the readable pods' load needs ceil(readable × ratio / (1 - tolerance))
     # replicas — the size at which it sits at the *lower* edge of the band, not at the target, so
     # that the same load plus noise within the band cannot ask for a scale-up right after (HPA
@@ -296,8 +305,8 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
 
     kv_values = [m.kv_cache_usage for m in readable if m.kv_cache_usage is not None]
     wait_values = [m.num_requests_waiting for m in readable if m.num_requests_waiting is not None]
-    kv_mean = sum(kv_values) / len(kv_values) if kv_values else None
-    wait_mean = sum(wait_values) / len(wait_values) if wait_values else None
+    kv_mean = _mean(kv_values) if kv_values else None
+    wait_mean = _mean(wait_values) if wait_values else None
     observed = dict(kv_cache_usage=kv_mean, waiting_per_replica=wait_mean, ready=n_ready,
                     readable=n_readable, starting=len(starting))
 

@@ -280,6 +280,10 @@ def test_huge_queue_is_reported_readably():
     now = 10_000.0
     d = decide(POLICY, 2, ready(2, waiting=1e300), warm_history(now, 2), now)
     assert d.desired_replicas == 4 and "waiting requests 1e+300/replica > target 5" in d.reason
+    # Near float max, summing would overflow to inf (and ceil(inf) raise): still a plain scale-up.
+    tiny_target = AutoscalingPolicy(min_replicas=1, max_replicas=10, target_queue_length=0.001)
+    d = decide(tiny_target, 2, ready(2, waiting=1.7e308), warm_history(now, 2), now)
+    assert d.desired_replicas == 4 and d.waiting_per_replica == pytest.approx(1.7e308)
 
 
 def test_scale_down_lands_on_the_lower_band_edge_not_the_target():

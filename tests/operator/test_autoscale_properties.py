@@ -243,3 +243,24 @@ def test_after_a_scale_down_the_same_load_plus_band_noise_asks_for_no_scale_up(p
              for i in range(m)]
     d2 = decide(policy, m, after, d.history, NOW + 15)
     assert d2.direction != "up", (d.reason, d2.reason)
+
+
+any_float = st.one_of(st.none(), st.floats(allow_nan=True, allow_infinity=True))
+wild_pods = st.lists(st.builds(PodObservation, name=st.text(min_size=1, max_size=3),
+                               ready=st.booleans(), age_seconds=st.floats(0, 2000),
+                               crashing=st.booleans(),
+                               metrics=st.one_of(st.none(), st.builds(PodMetrics, any_float, any_float,
+                                                                      any_float))),
+                     max_size=8)
+
+
+@settings(max_examples=300, deadline=None)
+@given(policies(), st.integers(0, 20), wild_pods, histories(), st.floats(NOW - 1000, NOW + 1000))
+def test_any_samples_and_any_clock_give_a_bounded_decision(policy, current, observed, history, now):
+    """Broken exporters (NaN, ±inf, negative, KV > 1) and a clock that moved either way never make
+    decide() raise, and the result stays within bounds with a finite reported KV mean."""
+    d = decide(policy, current, observed, history, now)
+    assert policy.min_replicas <= d.desired_replicas <= policy.max_replicas
+    assert d.kv_cache_usage is None or 0.0 <= d.kv_cache_usage <= 1.0
+    assert d.waiting_per_replica is None or d.waiting_per_replica >= 0.0
+    assert all(r.at <= now for r in d.history.recommendations)
