@@ -125,7 +125,8 @@ async def test_recommendation_rises_under_load_and_returns_to_min(two_servers):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             pods = await _observe(targets)
-            d = decide(policy, current, pods, history, time.monotonic())
+            decided_at = time.monotonic()
+            d = decide(policy, current, pods, history, decided_at)
             history, current = d.history, d.desired_replicas
             if d.changed and d.direction == "up":
                 peak = d
@@ -137,10 +138,10 @@ async def test_recommendation_rises_under_load_and_returns_to_min(two_servers):
     assert peak is not None, "the recommendation never rose under load"
     assert peak.desired_replicas > 2 and peak.recommendation > 2
     assert peak.code == "QueueLengthHigh" and "waiting requests" in peak.reason
-    scaled_up_at = time.monotonic()
+    scaled_up_at = decided_at  # the high recommendation's own time stamp
 
     # Load stopped (requests aborted): the queues drain; after the window, back to minReplicas.
-    low_seen_at, final = None, None
+    final = None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         pods = await _observe(targets)
