@@ -6,6 +6,15 @@ request). Writes JSON under benchmarks/results/.
 
     python benchmarks/prefix_cache.py                    # 2,000-token prefix, 16 questions of 50-200 tokens
     python benchmarks/prefix_cache.py --quick            # 500-token prefix, 6 questions
+
+``--compare-prefix-caching`` measures the same thing end to end over HTTP instead: it starts two real
+``kvfleet-server`` processes on 127.0.0.1 (``--enable-prefix-caching`` and ``--no-enable-prefix-caching``),
+runs kvfleet-bench's shared-prefix dataset against each at every ``--concurrency`` (the system prompt is
+sized with the server's /tokenize to ``--prefix-tokens``; a fresh seed, hence a fresh system prompt, per
+concurrency), reads the prefix-cache counters from /metrics before and after, and prints TTFT p50,
+throughput and the hit rate against the best possible side by side:
+
+    python benchmarks/prefix_cache.py --compare-prefix-caching --num-questions 16 --concurrency 1 4
 """
 
 from __future__ import annotations
@@ -70,7 +79,14 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compare-prefix-caching", action="store_true",
+                    help="start kvfleet-server with caching on and off and benchmark both over HTTP")
+    ap.add_argument("--prefix-tokens", type=int, default=2000, help="(compare) shared system prompt, in tokens")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4], help="(compare) max concurrency levels")
+    ap.add_argument("--server-arg", action="append", default=[], help="(compare) extra kvfleet-server argument")
     args = ap.parse_args(argv)
+    if args.compare_prefix_caching:
+        return compare(args)
     if args.quick:
         args.prefix_len, args.num_questions = 500, 6
     if args.threads:
@@ -99,5 +115,163 @@ def main(argv=None):
     print("wrote", out)
 
 
+# ---------------------------------------------------------------------------------------- over HTTP
+
+PREFIX_COUNTERS = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total")
+
+
+def scrape_counters(url):
+    """The prefix-cache and prompt-token counters of a server's /metrics (summed over label sets)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = dict.fromkeys(PREFIX_COUNTERS, 0.0)
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name in out:
+                out[s.name] += s.value
+    return out
+
+
+def tokenize(url, text):
+    import httpx
+
+    r = httpx.post(url + "/tokenize", json={"prompt": text}, timeout=60)
+    r.raise_for_status()
+    return r.json()["tokens"]
+
+
+def completion_prompt(req):
+    """The text kvfleet-bench sends on /v1/completions for a shared-prefix request."""
+    return (req.system + "\n\n" if req.system else "") + req.prompt
+
+
+def best_possible_hits(token_lists):
+    """Most prompt tokens any prefix cache could reuse when the prompts arrive in order, one at a time:
+    for each prompt, its longest common token prefix with any earlier prompt, capped at its length - 1
+    (the last prompt token is always computed, for the logits)."""
+    best = 0
+    for i, toks in enumerate(token_lists):
+        m = 0
+        for prev in token_lists[:i]:
+            k = 0
+            for a, b in zip(toks, prev):
+                if a != b:
+                    break
+                k += 1
+            m = max(m, k)
+        best += min(m, len(toks) - 1)
+    return best
+
+
+def sized_dataset(url, args, seed):
+    """kvfleet-bench shared-prefix requests whose system prompt is about ``args.prefix_tokens`` tokens and
+    whose questions are ``args.question_len`` tokens (word counts calibrated with the server's /tokenize)."""
+    from kvfleet_server.bench import make_dataset
+
+    probe = make_dataset("shared-prefix", 1, 200, 1, 0.0, 1000, seed)[0]
+    per_word_sys = len(tokenize(url, probe.system)) / 1000
+    per_word_q = len(tokenize(url, probe.prompt)) / 200
+    words = max(1, round(args.prefix_tokens / per_word_sys))
+    qmin, qmax = args.question_len
+    mid = (qmin + qmax) / 2
+    in_words = max(1, round(mid / per_word_q))
+    ratio = (qmax - qmin) / (qmax + qmin)
+    reqs = make_dataset("shared-prefix", args.num_questions, in_words, args.output_len, ratio, words, seed)
+    return reqs, words, in_words, ratio
+
+
+def _run_one(url, reqs, concurrency):
+    import asyncio
+
+    from kvfleet_server.bench import run_benchmark
+
+    before = scrape_counters(url)
+    s = asyncio.run(run_benchmark(url, None, reqs, max_concurrency=concurrency, progress=False))
+    after = scrape_counters(url)
+    d = {k: after[k] - before[k] for k in PREFIX_COUNTERS}
+    s.pop("_results", None)
+    return s, d
+
+
+def compare(args):
+    """Start kvfleet-server with caching on, then off; run the same shared-prefix requests against each."""
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "..", "tests", "server"))
+    from server_fixtures import start_server
+
+    extra = list(args.server_arg)
+    if args.threads:
+        extra += ["--num-threads", str(args.threads)]
+    res = {"workload": {k: v for k, v in vars(args).items()}, "loadavg_before": os.getloadavg(), "runs": []}
+    datasets = {}
+    for caching in (True, False):
+        flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+        log = os.path.join(here, "results", f"prefix_cache_server_{'on' if caching else 'off'}.log")
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        srv = start_server(["--model", args.model, flag, "--disable-uvicorn-access-log", *extra], log,
+                           ready_timeout=300)
+        try:
+            for c in args.concurrency:
+                if c not in datasets:  # a fresh system prompt per concurrency: no hits carried over
+                    reqs, words, in_words, ratio = sized_dataset(srv.url, args, seed=c)
+                    toks = [tokenize(srv.url, completion_prompt(r)) for r in reqs]
+                    sys_len = len(tokenize(srv.url, reqs[0].system))
+                    datasets[c] = (reqs, {"prefix_words": words, "question_words": in_words, "range_ratio": ratio,
+                                          "system_prompt_tokens": sys_len, "prompt_tokens": sum(map(len, toks)),
+                                          "question_tokens_min_max": [min(map(len, toks)) - sys_len,
+                                                                      max(map(len, toks)) - sys_len],
+                                          "best_possible_hit_tokens": best_possible_hits(toks)})
+                reqs, info = datasets[c]
+                s, d = _run_one(srv.url, reqs, c)
+                run = {"prefix_caching": caching, "concurrency": c, **info, "counters_delta": d,
+                       "hit_rate": d["vllm:prefix_cache_hits_total"] / d["vllm:prefix_cache_queries_total"]
+                       if d["vllm:prefix_cache_queries_total"] else 0.0,
+                       "best_possible_hit_rate": info["best_possible_hit_tokens"] / info["prompt_tokens"],
+                       "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_mean_ms": s["ttft_ms"]["mean"],
+                       "output_throughput": s["output_throughput"], "total_token_throughput": s["total_token_throughput"],
+                       "request_throughput": s["request_throughput"], "duration_s": s["duration_s"],
+                       "completed": s["completed"], "failed": s["failed"], "errors": s["errors"]}
+                res["runs"].append(run)
+                print(f"caching={'on ' if caching else 'off'} c={c}: TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
+                      f"{run['request_throughput']:.2f} req/s, {run['total_token_throughput']:.0f} tok/s, "
+                      f"hit rate {run['hit_rate']:.1%} (best {run['best_possible_hit_rate']:.1%}), "
+                      f"{run['completed']}/{len(reqs)} ok", flush=True)
+        finally:
+            srv.stop()
+    res["loadavg_after"] = os.getloadavg()
+    print()
+    print(format_compare(res["runs"]))
+    out = args.out or os.path.join(here, "results", "prefix_cache_server.json")
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+    print("wrote", out)
+    return 0 if all(r["failed"] == 0 for r in res["runs"]) else 1
+
+
+def format_compare(runs):
+    """Markdown table: per concurrency, caching on vs off, with on/off ratios."""
+    lines = ["| concurrency | caching | TTFT p50 (ms) | req/s | total tok/s | hits / queries (tokens) | hit rate | best possible |",
+             "|---|---|---|---|---|---|---|---|"]
+    by = {(r["concurrency"], r["prefix_caching"]): r for r in runs}
+    for c in sorted({r["concurrency"] for r in runs}):
+        for caching in (True, False):
+            r = by.get((c, caching))
+            if r is None:
+                continue
+            d = r["counters_delta"]
+            lines.append(f"| {c} | {'on' if caching else 'off'} | {r['ttft_p50_ms']:.0f} | {r['request_throughput']:.2f} | "
+                         f"{r['total_token_throughput']:.0f} | {d['vllm:prefix_cache_hits_total']:.0f} / "
+                         f"{d['vllm:prefix_cache_queries_total']:.0f} | {r['hit_rate']:.1%} | {r['best_possible_hit_rate']:.1%} |")
+        on, off = by.get((c, True)), by.get((c, False))
+        if on and off:
+            lines.append(f"| {c} | on/off | {on['ttft_p50_ms'] / off['ttft_p50_ms']:.1%} | "
+                         f"{on['request_throughput'] / off['request_throughput']:.2f}x | "
+                         f"{on['total_token_throughput'] / off['total_token_throughput']:.2f}x | | | |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -5,10 +5,15 @@ Each server owns its own ``CollectorRegistry`` (several apps can live in one tes
 The engine thread feeds it: ``on_step`` after every engine step with that step's ``IterationStats``,
 the fresh ``SchedulerStats`` and the step's ``RequestOutput``s; ``on_abort`` when a request is
 aborted before finishing. All times are seconds (``time.monotonic``); token counts are tokens.
+
+It also keeps the counters of the periodic stats log line (vLLM's "Avg prompt throughput ... Prefix cache
+hit rate" line): ``maybe_log`` is called by the engine thread after each step and when idle, costs one
+clock comparison, and logs at most once per ``log_stats_interval_s`` while there has been activity.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -24,6 +29,37 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+LOG_STATS_INTERVAL_S = 10.0  # vLLM's default interval of its stats log line
+
+stats_logger = logging.getLogger("kvfleet.stats")
+
+
+def format_stats_log(*, interval_s: float, prompt_tokens: int, generation_tokens: int, num_running: int,
+                     num_waiting: int, kv_cache_usage: float, cache_queries: int, cache_hits: int,
+                     total_cache_queries: int, total_cache_hits: int, engine: str = "0") -> str:
+    """The periodic stats line, in vLLM's wording.
+
+    Args:
+        interval_s: seconds since the previous line (> 0).
+        prompt_tokens / generation_tokens: tokens prefilled (prefix-cache hits excluded) / sampled in the interval.
+        num_running / num_waiting: request counts now.
+        kv_cache_usage: fraction of KV blocks held by live requests now, 0..1 (printed as a percentage).
+        cache_queries / cache_hits: prompt tokens looked up in / found in the prefix cache in the interval.
+        total_cache_queries / total_cache_hits: the same since the server started.
+
+    The prefix cache hit rate is hits / queries in tokens, over the interval and since start; 0.0% when
+    nothing was looked up (e.g. --no-enable-prefix-caching).
+    """
+    def pct(num, den):
+        return 100.0 * num / den if den else 0.0
+
+    eng = f"{int(engine):03d}" if str(engine).isdigit() else str(engine)
+    return (f"Engine {eng}: Avg prompt throughput: {prompt_tokens / interval_s:.1f} tokens/s, "
+            f"Avg generation throughput: {generation_tokens / interval_s:.1f} tokens/s, "
+            f"Running: {num_running} reqs, Waiting: {num_waiting} reqs, "
+            f"KV cache usage: {100.0 * kv_cache_usage:.1f}%, "
+            f"Prefix cache hit rate: {pct(cache_hits, cache_queries):.1f}% "
+            f"(since start {pct(total_cache_hits, total_cache_queries):.1f}%)")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -55,10 +91,12 @@ class ServerMetrics:
         max_num_batched_tokens: upper end of ``vllm:iteration_tokens_total``.
         engine: value of the ``engine`` label (engine index, "0" for a single engine).
         registry: registry to register in; a fresh one by default.
+        log_stats_interval_s: seconds between two stats log lines (``maybe_log``); None: never log.
     """
 
     def __init__(self, model_name: str, max_model_len: int = 2048, max_num_batched_tokens: int = 2048,
-                 engine: str = "0", registry: CollectorRegistry | None = None):
+                 engine: str = "0", registry: CollectorRegistry | None = None,
+                 log_stats_interval_s: float | None = LOG_STATS_INTERVAL_S):
         self.registry = registry or CollectorRegistry()
         self.labels = {"model_name": model_name, "engine": engine}
         names = list(self.labels)
@@ -80,6 +118,8 @@ class ServerMetrics:
                                      "KV-cache usage (older name of vllm:kv_cache_usage_perc). 1 means 100 percent.")
         self.blocks_total = gauge("kvfleet:kv_cache_blocks_total", "KV-cache blocks in the pool.")
         self.blocks_free = gauge("kvfleet:kv_cache_blocks_free", "KV-cache blocks not held by a live request.")
+        self.blocks_cached = gauge("kvfleet:kv_cache_blocks_cached",
+                                   "Free KV-cache blocks that still hold a reusable prefix (prefix cache size).")
 
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
@@ -124,6 +164,10 @@ class ServerMetrics:
                                    ["block_size", "num_gpu_blocks", "enable_prefix_caching",
                                     "gpu_memory_utilization", "kv_cache_dtype", "engine"], registry=r)
         self._timings: dict[str, _Timing] = {}
+        self.log_stats_interval_s = log_stats_interval_s
+        self._log_last: float | None = None
+        self._win = [0, 0, 0, 0]  # prompt, generation, cache queries, cache hits since the last log line
+        self._cache_totals = [0, 0]  # cache queries, hits since start
 
     # ------------------------------------------------------------------ producers
 
@@ -142,6 +186,7 @@ class ServerMetrics:
         self.gpu_cache_usage.set(stats.kv_cache_usage)
         self.blocks_total.set(stats.num_blocks_total)
         self.blocks_free.set(stats.num_blocks_free)
+        self.blocks_cached.set(stats.num_blocks_cached)
 
     def request_added(self, request_id: str, arrival: float) -> None:
         self._timings[request_id] = _Timing(arrival=arrival)
@@ -157,6 +202,38 @@ class ServerMetrics:
         self.prefix_cache_hits.inc(it.prefix_cache_hits)
         if it.num_tokens:
             self.iteration_tokens.observe(it.num_tokens)
+        w = self._win
+        w[0] += it.num_prompt_tokens
+        w[1] += it.num_generation_tokens
+        w[2] += it.prefix_cache_queries
+        w[3] += it.prefix_cache_hits
+        self._cache_totals[0] += it.prefix_cache_queries
+        self._cache_totals[1] += it.prefix_cache_hits
+
+    def maybe_log(self, stats: SchedulerStats, now: float | None = None) -> str | None:
+        """Log (at INFO on ``kvfleet.stats``) and return the stats line when ``log_stats_interval_s`` has
+        passed since the previous one and the interval saw tokens or cache lookups, or requests are running/waiting;
+        else None. The first call only starts the clock. Called from the engine thread only."""
+        if self.log_stats_interval_s is None:
+            return None
+        now = time.monotonic() if now is None else now
+        if self._log_last is None:
+            self._log_last = now
+            return None
+        elapsed = now - self._log_last
+        if elapsed < self.log_stats_interval_s:
+            return None
+        w, self._win = self._win, [0, 0, 0, 0]
+        self._log_last = now
+        if not (any(w) or stats.num_running or stats.num_waiting):
+            return None
+        line = format_stats_log(interval_s=elapsed, prompt_tokens=w[0], generation_tokens=w[1],
+                                num_running=stats.num_running, num_waiting=stats.num_waiting,
+                                kv_cache_usage=stats.kv_cache_usage, cache_queries=w[2], cache_hits=w[3],
+                                total_cache_queries=self._cache_totals[0], total_cache_hits=self._cache_totals[1],
+                                engine=self.labels["engine"])
+        stats_logger.info(line)
+        return line
 
     def on_output(self, out, now: float | None = None) -> None:
         """Account one ``RequestOutput`` of a step: first-token, inter-token and, when finished, per-request histograms."""

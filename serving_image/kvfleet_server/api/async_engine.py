@@ -1,8 +1,8 @@
 """The bridge between the asyncio HTTP loop and the (not thread-safe) ``LLMEngine``.
 
 One dedicated engine thread owns the engine. Each loop turn it drains a command queue (add, abort),
-runs one ``engine.step()`` when work is pending (blocking on the queue when idle), feeds the metrics,
-and hands the step's ``RequestOutput``s to the asyncio loop in one ``call_soon_threadsafe``. The HTTP
+runs one ``engine.step()`` when work is pending (blocking on the queue when idle), feeds the metrics
+(and their periodic stats log line, checked after each step and on each idle wake-up), and hands the step's ``RequestOutput``s to the asyncio loop in one ``call_soon_threadsafe``. The HTTP
 loop never waits on model compute: it only awaits per-request ``asyncio.Queue``s.
 
 Admission: ``num_waiting()`` counts requests sent to the engine thread but not yet added plus the
@@ -235,6 +235,7 @@ class AsyncEngine:
             self._pending_adds -= consumed_adds
         if self.metrics is not None:
             self.metrics.set_scheduler_stats(stats)
+            self.metrics.maybe_log(stats)
 
     def _run(self) -> None:
         try:
@@ -255,6 +256,8 @@ class AsyncEngine:
                     try:
                         cmds.append(self._cmds.get(timeout=self._idle_poll_s))
                     except queue.Empty:
+                        if self.metrics is not None:  # the last interval's line is due even when idle
+                            self.metrics.maybe_log(self.stats())
                         continue
                 while True:
                     try:
