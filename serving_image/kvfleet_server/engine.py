@@ -22,7 +22,7 @@ from .config import DEFAULT_CPU_KV_CACHE_BYTES, MAX_DEFAULT_MODEL_LEN, EngineCon
 from .detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from .errors import InvalidRequestError, PromptTooLongError
 from .kv_cache import KVCacheManager
-from .loader import load_model, load_model_config
+from .loader import is_gguf, load_model, load_model_config, open_gguf
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .runner import ModelRunner, kv_bytes_per_token
 from .sampling import SampleRow, TokenLogprobs, prompt_logprobs, sample
@@ -55,16 +55,37 @@ class LLMEngine:
         self.dtype = config.resolved_dtype()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        timings: dict[str, float] = {}
+        t = time.monotonic()
+
+        def lap(phase: str) -> None:
+            nonlocal t
+            now = time.monotonic()
+            timings[phase] = timings.get(phase, 0.0) + now - t
+            t = now
+
         path = config.resolved_model()
-        mcfg = load_model_config(path)
+        reader = open_gguf(path) if is_gguf(path) else None  # parsed once: config, weights and tokenizer
+        if reader is not None:
+            lap("gguf parse")
+        mcfg = load_model_config(path, reader)
+        lap("config")
         model_max = mcfg.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={model_max}"
             )
         max_len = config.max_model_len or min(model_max, MAX_DEFAULT_MODEL_LEN)
-        self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=max_len)
-        self.tokenizer = Tokenizer.from_path(config.tokenizer or path, self.model_config.eos_token_ids)
+        self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=max_len,
+                                                   reader=reader)
+        lap("weights")
+        arch = None
+        if reader is not None and config.tokenizer in (None, path):
+            arch = reader.fields["general.architecture"].contents()
+        del reader  # drop the file mapping: the weights are copied into the model
+        self.tokenizer = Tokenizer.from_path(config.tokenizer or path, self.model_config.eos_token_ids,
+                                             gguf_architecture=arch)
+        lap("tokenizer")
         self.model_name = config.resolved_served_name()
         self.block_size = bs = config.block_size
         mc = self.model_config
@@ -72,6 +93,7 @@ class LLMEngine:
         self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if self.device == "cuda" and config.kv_cache_memory_bytes is None:
             kv_bytes = self._profile_cuda_kv_bytes()
+            lap("kv_cache profile run")
         else:
             kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
         self.num_blocks = kv_bytes // (per_token * bs)
@@ -97,11 +119,16 @@ class LLMEngine:
                                    config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.num_blocks, bs, self.device, self.dtype,
                                   get_attention_backend(self.device))
+        lap("kv_cache allocation")
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._rng = torch.Generator().manual_seed(config.seed)
         self._stop_ids_cache: dict[int, list[int]] = {}
         self.last_iteration = IterationStats()
+        lap("other")
+        #: seconds spent per start-up phase (gguf parse, config, weights, tokenizer, kv_cache allocation,
+        #: other), in order; the server logs them. No warm-up step is run.
+        self.startup_timings: dict[str, float] = timings
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":

@@ -90,6 +90,50 @@ def hf_to_kvfleet(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, tor
 # ---------------------------------------------------------------------------------------------
 # GGUF
 # ---------------------------------------------------------------------------------------------
+class _ArrayGGUFReader:
+    """Factory for a ``gguf.GGUFReader`` whose metadata parse reads a plain ndarray view of the mapping.
+
+    ``GGUFReader`` slices its ``np.memmap`` once per value (≈700k slices for a 49k-token vocabulary);
+    each memmap slice pays ``memmap.__array_finalize__``, which made one parse of SmolLM2's GGUF
+    take ~1.5 s. Slicing an ``np.asarray`` view of the same mapping gives identical values (zero
+    copy, still backed by the file) in ~0.5 s. Tensor ``data`` fields are plain ndarrays over the map.
+    """
+
+    _cls = None
+
+    @classmethod
+    def open(cls, path: str):
+        if cls._cls is None:
+            from gguf import GGUFReader
+
+            class Reader(GGUFReader):
+                _plain = None
+                _plain_of = None
+
+                def _get(self, offset, dtype, count=1, override_order=None):
+                    if self._plain_of is not self.data:
+                        self._plain, self._plain_of = np.asarray(self.data), self.data
+                    count = int(count)
+                    end = offset + np.dtype(dtype).itemsize * count
+                    arr = self._plain[offset:end].view(dtype=dtype)[:count]
+                    return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+            cls._cls = Reader
+        return cls._cls(path)
+
+
+def open_gguf(path: str):
+    """Parse a GGUF file's header, metadata and tensor table once (tensor data stays memory-mapped).
+
+    Returns a ``gguf.GGUFReader``; share it between ``read_gguf_config`` and ``read_gguf_tensors``.
+    Raises ModelLoadError when the file is not a readable GGUF.
+    """
+    try:
+        return _ArrayGGUFReader.open(path)
+    except (ValueError, OSError) as e:
+        raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -163,7 +207,9 @@ def read_gguf_tensors(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
             w = _reverse_llama_permute(w, cfg.num_attention_heads)
         elif llama and ".attn_k." in t.name:
             w = _reverse_llama_permute(w, cfg.num_key_value_heads)
-        out[t.name] = torch.from_numpy(np.array(w, dtype=np.float32))
+        if w.dtype != np.float32 or not w.flags.writeable or not w.flags.c_contiguous:
+            w = np.array(w, dtype=np.float32)  # F32/F16 tensors come back as views of the read-only map
+        out[t.name] = torch.from_numpy(w)
     return out
 
 
@@ -240,28 +286,29 @@ def _check_shapes(cfg: ModelConfig, params: dict[str, torch.Tensor], model: torc
             )
 
 
-def load_model_config(path: str) -> ModelConfig:
-    """Read only the architecture config of a model directory or GGUF file."""
-    if is_gguf(path):
-        from gguf import GGUFReader
+def load_model_config(path: str, reader=None) -> ModelConfig:
+    """Read only the architecture config of a model directory or GGUF file.
 
-        return read_gguf_config(GGUFReader(path))
+    ``reader``: an already parsed GGUF (``open_gguf(path)``) to reuse instead of parsing ``path`` again.
+    """
+    if is_gguf(path):
+        return read_gguf_config(reader if reader is not None else open_gguf(path))
     if os.path.isdir(path):
         return read_hf_config(path)
     raise ModelLoadError(f"expected a model directory with config.json or a .gguf file, got {path!r}")
 
 
-def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | None = None):
+def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | None = None, reader=None):
     """Load weights into kvfleet's model.
+
+    ``reader``: an already parsed GGUF (``open_gguf(path)``) to reuse instead of parsing ``path`` again.
 
     Returns (model in eval mode on ``device`` with ``dtype`` weights, ModelConfig).
     Raises ModelLoadError (missing file or tensor, wrong shape) or UnsupportedFeatureError
     (unknown architecture, tensor type or rope scaling).
     """
     if is_gguf(path):
-        from gguf import GGUFReader
-
-        reader = GGUFReader(path)
+        reader = reader if reader is not None else open_gguf(path)
         cfg = read_gguf_config(reader)
         params = gguf_to_kvfleet(cfg, read_gguf_tensors(reader, cfg))
     elif os.path.isdir(path):

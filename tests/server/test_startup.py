@@ -1,0 +1,120 @@
+"""Cold-start shortcuts give the same model, config and tokenizer as the plain paths:
+kvfleet's single GGUF parse (``open_gguf``) equals ``gguf.GGUFReader``, the GGUF tokenizer built
+without AutoTokenizer's config parse equals transformers' AutoTokenizer one, and the engine reports
+its start-up phases."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+STRINGS = [
+    "Hello world",
+    "héllo 🤖🎉 naïve café — 世界 你好 こんにちは",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "  leading spaces\t\ttabs\n\n\nnewlines  ",
+    "<|endoftext|>after eos",
+    "def f(x):\n    return x ** 2  # 😀",
+]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say 你好 and 🤖"},
+    {"role": "assistant", "content": "你好 🤖"},
+    {"role": "user", "content": "again"},
+]
+
+
+@pytest.fixture(scope="module")
+def readers(gguf_path):
+    from gguf import GGUFReader
+
+    from kvfleet_server.loader import open_gguf
+
+    return GGUFReader(gguf_path), open_gguf(gguf_path)
+
+
+def test_single_parse_reader_equals_gguf_reader(readers):
+    ref, fast = readers
+    assert list(fast.fields) == list(ref.fields)
+    for name, f in ref.fields.items():
+        g = fast.fields[name]
+        assert (g.offset, g.types, g.data) == (f.offset, f.types, f.data), name
+        assert all(np.array_equal(a, b) for a, b in zip(g.parts, f.parts)), name
+    assert [t.name for t in fast.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(fast.tensors, ref.tensors):
+        assert (a.tensor_type, a.data_offset, list(a.shape)) == (b.tensor_type, b.data_offset, list(b.shape))
+        assert np.array_equal(a.data, b.data), a.name
+
+
+def test_config_from_shared_reader_equals_fresh_parse(gguf_path, readers):
+    from kvfleet_server.loader import load_model_config, read_gguf_config
+
+    assert load_model_config(gguf_path, readers[1]) == read_gguf_config(readers[0])
+
+
+def test_gguf_tensors_are_writable_float32_copies(readers):
+    from kvfleet_server.loader import read_gguf_config, read_gguf_tensors
+
+    reader = readers[1]
+    tensors = read_gguf_tensors(reader, read_gguf_config(reader))
+    f32 = [t for t in reader.tensors if t.tensor_type.name == "F32"]
+    assert f32, "the bundled GGUF has F32 norm weights"
+    for t in f32:
+        w = tensors[t.name]
+        assert w.dtype == torch.float32
+        w.add_(0)  # writable: not a view of the read-only file mapping
+        assert np.array_equal(w.numpy(), np.asarray(t.data, dtype=np.float32).reshape(w.shape))
+
+
+@pytest.fixture(scope="module")
+def tokenizers(gguf_path):
+    from transformers import AutoTokenizer
+
+    from kvfleet_server.tokenizer import Tokenizer
+
+    ref = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+    return ref, Tokenizer.from_path(gguf_path, gguf_architecture="llama")
+
+
+@pytest.mark.parametrize("text", STRINGS)
+def test_fast_gguf_tokenizer_ids_equal_autotokenizer(tokenizers, text):
+    ref, tok = tokenizers
+    assert tok.encode(text) == ref.encode(text)
+    assert tok.encode(text, add_special_tokens=False) == ref.encode(text, add_special_tokens=False)
+    ids = ref.encode(text)
+    assert tok.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+    assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+
+
+def test_fast_gguf_tokenizer_chat_template_and_specials_equal_autotokenizer(tokenizers):
+    ref, tok = tokenizers
+    for gen in (True, False):
+        assert tok.apply_chat_template(MESSAGES, add_generation_prompt=gen) == ref.apply_chat_template(
+            MESSAGES, add_generation_prompt=gen, tokenize=False)
+    assert tok.chat_template == ref.chat_template
+    assert tok.vocab_size == len(ref)
+    assert tok.eos_token_id == ref.eos_token_id
+    assert tok.all_special_ids == frozenset(ref.all_special_ids)
+
+
+def test_engine_reports_startup_phases(gguf_path):
+    from kvfleet_server.config import EngineConfig
+    from kvfleet_server.engine import LLMEngine
+
+    llm = LLMEngine(EngineConfig(model=gguf_path, kv_cache_memory_bytes=16 * 2**20, max_model_len=256))
+    timings = llm.startup_timings
+    assert list(timings)[:5] == ["gguf parse", "config", "weights", "tokenizer", "kv_cache allocation"]
+    assert all(isinstance(v, float) and v >= 0 for v in timings.values())
+    assert llm.tokenizer.encode("Hello") == llm.tokenizer.hf.encode("Hello")
+
+
+def test_engine_on_hf_directory_has_no_gguf_phase(tiny_llama_dir):
+    from kvfleet_server.config import EngineConfig
+    from kvfleet_server.engine import LLMEngine
+
+    llm = LLMEngine(EngineConfig(model=tiny_llama_dir, kv_cache_memory_bytes=2**20, max_model_len=64))
+    assert "gguf parse" not in llm.startup_timings
+    assert {"config", "weights", "tokenizer", "kv_cache allocation"} <= set(llm.startup_timings)
