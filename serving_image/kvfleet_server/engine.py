@@ -65,7 +65,7 @@ class LLMEngine:
             t = now
 
         path = config.resolved_model()
-        reader = open_gguf(path) if is_gguf(path) else None  # parsed once: config, weights and tokenizer
+        reader = open_gguf(path) if is_gguf(path) else None  # parsed once, for the config and the weights
         if reader is not None:
             lap("gguf parse")
         mcfg = load_model_config(path, reader)

@@ -72,17 +72,25 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Weights come from a checkpoint (loader.load_model); an explicit tensor skips Embedding's normal_()
+        # init, which on the meta device imports torch._dynamo (~1 s of cold start).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.init_rope(max_positions or cfg.max_position_embeddings)
 
     def init_rope(self, max_positions: int, device=None) -> None:
-        """(Re)build the float32 cos/sin tables for positions [0, max_positions)."""
+        """(Re)build the float32 cos/sin tables for positions [0, max_positions) on ``device``.
+
+        The tables are computed on the CPU whatever the ambient device: under ``torch.device("meta")``
+        (the loader builds the module there) meta kernels would import torch._dynamo (~1 s of cold start).
+        """
         cfg = self.config
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_cos_sin(inv_freq, max_positions)
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+            cos, sin = rope_cos_sin(inv_freq, max_positions)
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
