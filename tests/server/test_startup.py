@@ -118,3 +118,12 @@ def test_engine_on_hf_directory_has_no_gguf_phase(tiny_llama_dir):
     llm = LLMEngine(EngineConfig(model=tiny_llama_dir, kv_cache_memory_bytes=2**20, max_model_len=64))
     assert "gguf parse" not in llm.startup_timings
     assert {"config", "weights", "tokenizer", "kv_cache allocation"} <= set(llm.startup_timings)
+
+
+def test_open_gguf_refuses_a_non_gguf_file_naming_it(tmp_path):
+    from kvfleet_server.loader import ModelLoadError, open_gguf
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"NOTGGUF" + bytes(64))
+    with pytest.raises(ModelLoadError, match="broken.gguf"):
+        open_gguf(str(bad))
