@@ -146,22 +146,30 @@ def completion_prompt(req):
     return (req.system + "\n\n" if req.system else "") + req.prompt
 
 
-def best_possible_hits(token_lists):
-    """Most prompt tokens any prefix cache could reuse when the prompts arrive in order, one at a time:
-    for each prompt, its longest common token prefix with any earlier prompt, capped at its length - 1
-    (the last prompt token is always computed, for the logits)."""
-    best = 0
-    for i, toks in enumerate(token_lists):
-        m = 0
-        for prev in token_lists[:i]:
-            k = 0
-            for a, b in zip(toks, prev):
-                if a != b:
-                    break
-                k += 1
-            m = max(m, k)
-        best += min(m, len(toks) - 1)
-    return best
+def best_possible_hits(token_lists, history=()):
+    """Upper bound on the prompt tokens any prefix cache can reuse for ``token_lists``, whatever order they
+    arrive in, on a server that already served the prompts ``history``.
+
+    m_i = prompt i's longest common token prefix with any other prompt (of this run or the history), capped
+    at its length - 1 (the last prompt token is always computed, for the logits); h_i the same against the
+    history only. The first prompt of the run to arrive reuses at most h_i and every other at most m_i, so
+    the bound is sum(m) - min(m - h); for prompts sent one at a time in list order with one shared system
+    prompt it is reached exactly.
+    """
+    def lcp(a, b):
+        k = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            k += 1
+        return k
+
+    if not token_lists:
+        return 0
+    h = [min(len(t) - 1, max((lcp(t, u) for u in history), default=0)) for t in token_lists]
+    m = [max(h[i], min(len(t) - 1, max((lcp(t, u) for j, u in enumerate(token_lists) if j != i), default=0)))
+         for i, t in enumerate(token_lists)]
+    return sum(m) - min(mi - hi for mi, hi in zip(m, h))
 
 
 def sized_dataset(url, args, seed):
@@ -213,9 +221,10 @@ def compare(args):
         os.makedirs(os.path.dirname(log), exist_ok=True)
         srv = start_server(["--model", args.model, flag, "--disable-uvicorn-access-log", *extra], log,
                            ready_timeout=300)
+        history = []  # prompts this server has seen (its cache may hold them)
         try:
             for c in args.concurrency:
-                if c not in datasets:  # a fresh system prompt per concurrency: no hits carried over
+                if c not in datasets:  # a fresh system prompt per concurrency (same lead-in words, though)
                     reqs, words, in_words, ratio = sized_dataset(srv.url, args, seed=c)
                     toks = [tokenize(srv.url, completion_prompt(r)) for r in reqs]
                     sys_len = len(tokenize(srv.url, reqs[0].system))
@@ -223,15 +232,21 @@ def compare(args):
                                           "system_prompt_tokens": sys_len, "prompt_tokens": sum(map(len, toks)),
                                           "question_tokens_min_max": [min(map(len, toks)) - sys_len,
                                                                       max(map(len, toks)) - sys_len],
-                                          "best_possible_hit_tokens": best_possible_hits(toks)})
+                                          "_tokens": toks,
+                                          "system_prompt_only_best_hit_tokens": (len(reqs) - 1) * sys_len})
                 reqs, info = datasets[c]
+                toks = info["_tokens"]
+                info["best_possible_hit_tokens"] = best_possible_hits(toks, history)
                 s, d = _run_one(srv.url, reqs, c)
-                run = {"prefix_caching": caching, "concurrency": c, **info, "counters_delta": d,
+                history += toks
+                run = {"prefix_caching": caching, "concurrency": c, "counters_delta": d,
+                       **{k: v for k, v in info.items() if k != "_tokens"},
                        "hit_rate": d["vllm:prefix_cache_hits_total"] / d["vllm:prefix_cache_queries_total"]
                        if d["vllm:prefix_cache_queries_total"] else 0.0,
                        "best_possible_hit_rate": info["best_possible_hit_tokens"] / info["prompt_tokens"],
                        "ttft_p50_ms": s["ttft_ms"]["p50"], "ttft_mean_ms": s["ttft_ms"]["mean"],
-                       "output_throughput": s["output_throughput"], "total_token_throughput": s["total_token_throughput"],
+                       "output_throughput": s["output_throughput"],
+                       "total_token_throughput": s["total_token_throughput"],
                        "request_throughput": s["request_throughput"], "duration_s": s["duration_s"],
                        "completed": s["completed"], "failed": s["failed"], "errors": s["errors"]}
                 res["runs"].append(run)
@@ -253,7 +268,8 @@ def compare(args):
 
 def format_compare(runs):
     """Markdown table: per concurrency, caching on vs off, with on/off ratios."""
-    lines = ["| concurrency | caching | TTFT p50 (ms) | req/s | total tok/s | hits / queries (tokens) | hit rate | best possible |",
+    lines = ["| concurrency | caching | TTFT p50 (ms) | req/s | total tok/s | hits / queries (tokens) | hit rate "
+             "| best possible |",
              "|---|---|---|---|---|---|---|---|"]
     by = {(r["concurrency"], r["prefix_caching"]): r for r in runs}
     for c in sorted({r["concurrency"] for r in runs}):
@@ -262,9 +278,10 @@ def format_compare(runs):
             if r is None:
                 continue
             d = r["counters_delta"]
-            lines.append(f"| {c} | {'on' if caching else 'off'} | {r['ttft_p50_ms']:.0f} | {r['request_throughput']:.2f} | "
-                         f"{r['total_token_throughput']:.0f} | {d['vllm:prefix_cache_hits_total']:.0f} / "
-                         f"{d['vllm:prefix_cache_queries_total']:.0f} | {r['hit_rate']:.1%} | {r['best_possible_hit_rate']:.1%} |")
+            lines.append(f"| {c} | {'on' if caching else 'off'} | {r['ttft_p50_ms']:.0f} | "
+                         f"{r['request_throughput']:.2f} | {r['total_token_throughput']:.0f} | "
+                         f"{d['vllm:prefix_cache_hits_total']:.0f} / {d['vllm:prefix_cache_queries_total']:.0f} | "
+                         f"{r['hit_rate']:.1%} | {r['best_possible_hit_rate']:.1%} |")
         on, off = by.get((c, True)), by.get((c, False))
         if on and off:
             lines.append(f"| {c} | on/off | {on['ttft_p50_ms'] / off['ttft_p50_ms']:.1%} | "

@@ -155,3 +155,21 @@ def test_cache_salt_isolates_and_same_salt_hits(server, endpoint):
     assert unsalted["hits"] == 0
     again_b = _ask(server.url, endpoint, text, "tenant-b")
     assert again_b["hits"] == same["hits"]
+
+
+def test_no_enable_prefix_caching_server_never_hits(tiny_llama_dir, tmp_path):
+    srv = start_server(["--model", tiny_llama_dir, "--max-model-len", "1024", "--kv-cache-memory-bytes", "4000000",
+                        "--served-model-name", "tiny", "--no-enable-prefix-caching", "--shutdown-timeout", "5"],
+                       str(tmp_path / "server.log"))
+    try:
+        text = "the same prompt twice, with caching turned off " * 8
+        for _ in range(2):
+            d = _ask(srv.url, "completions", text, None)
+            assert d["queries"] == 0 and d["hits"] == 0
+        idle = d["idle"]
+        assert idle["kvfleet:kv_cache_blocks_cached{}"] == 0
+        assert idle["vllm:prefix_cache_queries_total{}"] == idle["vllm:prefix_cache_hits_total{}"] == 0
+        info = [k for k in idle if k.startswith("vllm:cache_config_info{")]
+        assert len(info) == 1 and "enable_prefix_caching=False" in info[0]
+    finally:
+        assert srv.stop() == 0, srv.log()
