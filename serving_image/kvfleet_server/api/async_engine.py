@@ -2,8 +2,9 @@
 
 One dedicated engine thread owns the engine. Each loop turn it drains a command queue (add, abort),
 runs one ``engine.step()`` when work is pending (blocking on the queue when idle), feeds the metrics
-(and their periodic stats log line, checked after each step and on each idle wake-up), and hands the step's ``RequestOutput``s to the asyncio loop in one ``call_soon_threadsafe``. The HTTP
-loop never waits on model compute: it only awaits per-request ``asyncio.Queue``s.
+(and their periodic stats log line, checked after each step and on each idle wake-up), and hands the
+step's ``RequestOutput``s to the asyncio loop in one ``call_soon_threadsafe``. The HTTP loop never waits
+on model compute: it only awaits per-request ``asyncio.Queue``s.
 
 Admission: ``num_waiting()`` counts requests sent to the engine thread but not yet added plus the
 engine's waiting queue as of its last step; the HTTP layer refuses new work (429) when that reaches
