@@ -173,3 +173,44 @@ def test_no_enable_prefix_caching_server_never_hits(tiny_llama_dir, tmp_path):
         assert len(info) == 1 and "enable_prefix_caching=False" in info[0]
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+# ------------------------------------------------------------------------------ the benchmark's arithmetic
+
+def _load_bench():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "prefix_cache.py"
+    spec = importlib.util.spec_from_file_location("prefix_cache_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["prefix_cache_bench"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_best_possible_hits_bound():
+    best = _load_bench().best_possible_hits
+    sys_prompt = list(range(100))
+    prompts = [sys_prompt + [1000 + i, 7] for i in range(5)]
+    assert best(prompts) == 4 * 100  # the first arrival computes the shared prefix
+    assert best([sys_prompt, sys_prompt]) == 99  # the last prompt token is always computed
+    assert best(prompts, history=[sys_prompt + [5]]) == 5 * 100  # already cached: every prompt can hit
+    assert best([[1, 2, 3]]) == 0 and best([]) == 0
+    assert best([[1, 2, 9], [1, 2, 3, 4, 5], [1, 2, 3, 4, 6]]) <= 2 + 4 + 4 - 2
+
+
+def test_compare_table_ratios():
+    fmt = _load_bench().format_compare
+
+    def run(caching, ttft, rps):
+        return {"concurrency": 1, "prefix_caching": caching, "ttft_p50_ms": ttft, "request_throughput": rps,
+                "total_token_throughput": rps * 100, "hit_rate": 0.5 if caching else 0.0,
+                "best_possible_hit_rate": 0.6,
+                "counters_delta": {"vllm:prefix_cache_hits_total": 50 if caching else 0,
+                                   "vllm:prefix_cache_queries_total": 100 if caching else 0}}
+
+    table = fmt([run(True, 100.0, 3.0), run(False, 1000.0, 1.0)])
+    assert "| 1 | on | 100 | 3.00 | 300 | 50 / 100 | 50.0% | 60.0% |" in table
+    assert "| 1 | on/off | 10.0% | 3.00x | 3.00x |" in table
