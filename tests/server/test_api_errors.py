@@ -119,3 +119,16 @@ def test_models_and_version(client):
     data = client.get("/v1/models").json()["data"]
     assert data[0]["id"] == "fake" and data[0]["max_model_len"] == 256
     assert client.get("/version").json()["version"]
+
+
+@pytest.mark.parametrize("raw,status,param", [
+    (rb'{"model": "\ud800", "prompt": "x"}', 404, "model"),
+    (rb'{"prompt": "x", "logit_bias": {"\ud800": "high"}}', 400, None),
+    (rb'{"prompt": "x", "max_tokens": 1, "stop_token_ids": ["\udfff"]}', 400, "stop_token_ids.0"),
+])
+def test_lone_surrogates_echoed_in_errors_are_not_500(client, raw, status, param):
+    # JSON may carry lone UTF-16 surrogates; an error message quoting them must still encode
+    err = _err(client.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), status)
+    if param is not None:
+        assert err["param"] == param
+    assert client.get("/health").status_code == 200

@@ -52,9 +52,16 @@ class APIError(Exception):
         self.headers = headers
 
 
+def _encodable(text: str | None) -> str | None:
+    """Lone UTF-16 surrogates (legal in JSON escapes, echoed from a request) as ``\\udXXX`` text: UTF-8 safe."""
+    return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code if code is not None else status}}
+    if isinstance(code, str):
+        code = _encodable(code)
+    return {"error": {"message": _encodable(message), "type": _TYPES.get(status, "invalid_request_error"),
+                      "param": _encodable(param), "code": code if code is not None else status}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
