@@ -51,7 +51,10 @@ def test_not_supported_yet_is_400(client):
 
 @pytest.mark.parametrize("extra", [{"tools": [{"type": "function", "function": {"name": "f"}}]},
                                    {"response_format": {"type": "json_object"}}, {"tool_choice": "required"},
-                                   {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}])
+                                   {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+                                   {"prompt_logprobs": 1}, {"echo": True}, {"guided_json": {"type": "object"}},
+                                   {"structured_outputs": {"choice": ["a", "b"]}}, {"bad_words": ["x"]},
+                                   {"use_beam_search": True}, {"allowed_token_ids": [1, 2]}])
 def test_chat_features_not_built_are_refused(client, extra):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, **extra}
     err = _err(client.post("/v1/chat/completions", json=body), 400)
@@ -132,3 +135,16 @@ def test_lone_surrogates_echoed_in_errors_are_not_500(client, raw, status, param
     if param is not None:
         assert err["param"] == param
     assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("extra", [{"guided_regex": "a+"}, {"guided_choice": ["a"]}, {"truncate_prompt_tokens": 3},
+                                   {"logits_processors": ["x"]}, {"return_tokens_as_token_ids": True}])
+def test_completion_features_not_built_are_refused(client, extra):
+    # vLLM users send these; silently ignoring them would return unconstrained output as if they had applied
+    err = _err(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, **extra}), 400)
+    assert "not supported yet" in err["message"] and next(iter(extra)) in err["message"]
+
+
+def test_unbuilt_fields_at_their_defaults_are_accepted(client):
+    body = {"prompt": "x", "max_tokens": 1, "use_beam_search": False, "guided_json": None, "bad_words": []}
+    assert client.post("/v1/completions", json=body).status_code == 200

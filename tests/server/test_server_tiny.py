@@ -154,3 +154,26 @@ def test_max_tokens_absent_means_up_to_context_limit(server):
     ids = httpx.post(server.url + "/tokenize", json={"prompt": "x " * 1000}).json()["tokens"][:1000]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": ids, "ignore_eos": True}, timeout=60).json()
     assert r["usage"]["completion_tokens"] == 1024 - 1000 and r["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_prompt_logprobs_are_returned(server, stream):
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) {token_id: {logprob, rank, decoded_token}}."""
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "Hello there my friend"}).json()["tokens"]
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "prompt_logprobs": 1, "n": 2, "temperature": 0.5,
+            "stream": stream}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        import json
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        choices = [c for ch in chunks for c in ch["choices"] if c.get("prompt_logprobs") is not None]
+    else:
+        choices = r.json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1]
+    for c in choices:
+        pl = c["prompt_logprobs"]
+        assert len(pl) == len(ids) and pl[0] is None
+        for tid, pos in zip(ids[1:], pl[1:]):
+            assert str(tid) in pos and 1 <= len(pos) <= 2  # the prompt token plus the top-1
+            assert all(v["logprob"] <= 0 and v["rank"] >= 1 and "decoded_token" in v for v in pos.values())

@@ -11,14 +11,23 @@ from ..errors import InvalidRequestError, UnsupportedFeatureError
 from ..outputs import Logprob, PositionLogprobs
 from ..sampling_params import SamplingParams
 from .protocol import (ChatCompletionRequest, ChatMessage, ChatTokenLogprob, CompletionLogProbs,
-                       CompletionRequest, TopLogprob)
+                       CompletionRequest, PromptLogprob, TopLogprob, UNBUILT_FIELDS)
 
 MIN_TEMPERATURE = 1e-2  # below this (and above 0), sampling is numerically unstable: clamp like vLLM
+
+
+def _refuse_unbuilt(req, names) -> None:
+    """UnsupportedFeatureError for a field that is set to anything but its default (None/False/empty)."""
+    for name in names:
+        value = getattr(req, name, None)
+        if value is not None and value is not False and value != [] and value != {} and value != "":
+            raise UnsupportedFeatureError(f"not supported yet: {name}")
 
 
 def _common(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     if req.logit_bias:
         raise UnsupportedFeatureError("not supported yet: logit_bias")
+    _refuse_unbuilt(req, UNBUILT_FIELDS)
     temperature = 1.0 if req.temperature is None else req.temperature
     if 0.0 < temperature < MIN_TEMPERATURE:
         temperature = MIN_TEMPERATURE
@@ -60,6 +69,7 @@ def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
     """SamplingParams for /v1/chat/completions (``logprobs: true`` alone means the chosen token only)."""
     if req.tools:
         raise UnsupportedFeatureError("not supported yet: tools (function calling)")
+    _refuse_unbuilt(req, ("echo", "prompt_logprobs"))
     if req.tool_choice not in (None, "none", "auto"):
         raise UnsupportedFeatureError("not supported yet: tool_choice")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -194,3 +204,12 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], k: in
             top_logprobs=[TopLogprob(token=t.decoded, logprob=_finite(t.logprob),
                                      bytes=list(t.decoded.encode("utf-8", "replace"))) for t in _top(pos, k)]))
     return out
+
+
+def prompt_logprobs_entries(positions: list[PositionLogprobs | None]) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``choices[i].prompt_logprobs``: per prompt token, None for the first (nothing precedes it), else
+    ``{str(token_id): {logprob, rank, decoded_token}}`` for the prompt token and the top alternatives."""
+    return [None if pos is None else
+            {str(tid): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded)
+             for tid, lp in pos.items()}
+            for pos in positions]

@@ -55,6 +55,23 @@ class _SamplingFields(_Request):
     user: str | None = None
     cache_salt: str | None = Field(None, description="isolates this request's prefix-cache entries")
     logit_bias: dict[str, float] | None = None
+    # vLLM fields not built yet: declared so that a request setting one is refused, never silently ignored
+    guided_json: object | None = Field(None, description="refused: not supported yet")
+    guided_regex: object | None = Field(None, description="refused: not supported yet")
+    guided_choice: object | None = Field(None, description="refused: not supported yet")
+    guided_grammar: object | None = Field(None, description="refused: not supported yet")
+    structured_outputs: object | None = Field(None, description="refused: not supported yet")
+    bad_words: object | None = Field(None, description="refused: not supported yet")
+    allowed_token_ids: object | None = Field(None, description="refused: not supported yet")
+    logits_processors: object | None = Field(None, description="refused: not supported yet")
+    truncate_prompt_tokens: object | None = Field(None, description="refused: not supported yet")
+    use_beam_search: object | None = Field(None, description="refused: not supported yet")
+    return_tokens_as_token_ids: object | None = Field(None, description="refused: not supported yet")
+
+
+UNBUILT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                  "bad_words", "allowed_token_ids", "logits_processors", "truncate_prompt_tokens",
+                  "use_beam_search", "return_tokens_as_token_ids")
 
 
 class CompletionRequest(_SamplingFields):
@@ -95,6 +112,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = Field(None, description="refused: not supported yet")
     tool_choice: str | dict | None = Field(None, description="only none/auto without tools")
     response_format: dict | None = Field(None, description="only {'type': 'text'}")
+    echo: object | None = Field(None, description="refused: not supported yet")
+    prompt_logprobs: object | None = Field(None, description="refused: not supported yet")
 
 
 class TokenizeRequest(_Request):
@@ -136,12 +155,20 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="vLLM's: per prompt token (None for the first), {token_id: logprob, rank, decoded_token}")
 
 
 class CompletionResponse(BaseModel):

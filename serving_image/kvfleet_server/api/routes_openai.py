@@ -16,7 +16,8 @@ from ..errors import EngineDeadError, InvalidRequestError, UnsupportedFeatureErr
 from ..outputs import RequestOutput
 from .async_engine import RequestAborted
 from .convert import (chat_logprobs, chat_messages, chat_sampling_params, check_text, check_token_ids,
-                      completion_logprobs, completion_prompts, completion_sampling_params)
+                      completion_logprobs, completion_prompts, completion_sampling_params,
+                      prompt_logprobs_entries)
 from .errors import APIError, error_body
 from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, CompletionChoice,
                        CompletionRequest, CompletionResponse, ErrorResponse, ResponseMessage, UsageInfo, now,
@@ -113,9 +114,10 @@ async def create_completion(body: CompletionRequest, request: Request):
                         prompt_lens[i] = len(out.prompt_token_ids)
                         for c in out.outputs:
                             idx = i * body.n + c.index
-                            text, lp = c.delta_text, None
+                            text, lp, plp = c.delta_text, None, None
                             if idx not in offsets:
                                 offsets[idx] = 0
+                                plp = _prompt_logprobs(body, out)
                                 if body.echo:
                                     text = prompt_text(i, out) + text
                                     if k is not None and out.prompt_logprobs is not None:
@@ -125,13 +127,13 @@ async def create_completion(body: CompletionRequest, request: Request):
                                                           offsets[idx] + (len(text) - len(c.delta_text)))
                                 lp = new if lp is None else _concat(lp, new)
                             gen_tokens[idx] = len(c.token_ids)
-                            if not text and c.finish_reason is None and lp is None:
+                            if not text and c.finish_reason is None and lp is None and plp is None:
                                 continue
                             offsets[idx] += len(text)
                             if c.finish_reason is not None:
                                 finished.add(idx)
                             choice = CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason,
-                                                      stop_reason=c.stop_reason)
+                                                      stop_reason=c.stop_reason, prompt_logprobs=plp)
                             chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
                                      "choices": [choice.model_dump()]}
                             if include_usage:
@@ -176,12 +178,20 @@ async def create_completion(body: CompletionRequest, request: Request):
                                                  len(prompt_text(i, out)) if body.echo else 0)
                 completion_tokens += len(c.token_ids)
                 choices.append(CompletionChoice(index=i * body.n + c.index, text=text, logprobs=lp,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=_prompt_logprobs(body, out)))
         resp = CompletionResponse(id=rid, created=created, model=model, choices=choices,
                                   usage=_usage([len(o.prompt_token_ids) for o in finals], completion_tokens))
         return JSONResponse(resp.model_dump())
 
     return await unless_disconnected(request, collect(), streams)
+
+
+def _prompt_logprobs(body, out: RequestOutput):
+    """The choice's ``prompt_logprobs`` when the request asked for them (not when only echo + logprobs did)."""
+    if body.prompt_logprobs is None or out.prompt_logprobs is None:
+        return None
+    return prompt_logprobs_entries(out.prompt_logprobs)
 
 
 def _concat(a, b):
