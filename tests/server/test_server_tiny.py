@@ -177,3 +177,28 @@ def test_completion_prompt_logprobs_are_returned(server, stream):
         for tid, pos in zip(ids[1:], pl[1:]):
             assert str(tid) in pos and 1 <= len(pos) <= 2  # the prompt token plus the top-1
             assert all(v["logprob"] <= 0 and v["rank"] >= 1 and "decoded_token" in v for v in pos.values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_logprobs_text_offsets_never_go_back(server, stream):
+    """Prompt tokens that split a character (emoji) decode to more characters than the prompt has; the
+    generated tokens' text_offset must continue after the prompt tokens', never jump back (as in vLLM)."""
+    import json
+    body = {"model": "tiny", "prompt": "😀🇫🇷日本語 ok", "max_tokens": 4, "logprobs": 1, "echo": True,
+            "temperature": 0, "ignore_eos": True, "stream": stream}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        offsets, tokens = [], []
+        for ch in chunks:
+            for c in ch["choices"]:
+                if c.get("logprobs"):
+                    offsets += c["logprobs"]["text_offset"]
+                    tokens += c["logprobs"]["tokens"]
+    else:
+        lp = r.json()["choices"][0]["logprobs"]
+        offsets, tokens = lp["text_offset"], lp["tokens"]
+    assert len(offsets) == len(tokens) > 4
+    assert offsets == sorted(offsets), offsets
+    assert all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], tokens)), (offsets, tokens)

@@ -106,6 +106,7 @@ async def create_completion(body: CompletionRequest, request: Request):
             prompt_lens = [0] * len(prompts)
             gen_tokens: dict[int, int] = {}
             offsets: dict[int, int] = {}
+            shifts: dict[int, int] = {}  # echo: prompt tokens' text length minus the prompt text's
             finished: set[int] = set()
             include_usage = _include_usage(body)
             try:
@@ -122,9 +123,11 @@ async def create_completion(body: CompletionRequest, request: Request):
                                     text = prompt_text(i, out) + text
                                     if k is not None and out.prompt_logprobs is not None:
                                         lp = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, k, 0, piece)
+                                        shifts[idx] = _end(lp) - len(text) + len(c.delta_text)
                             if k is not None and c.delta_logprobs:
                                 new = completion_logprobs(c.delta_token_ids, c.delta_logprobs, k,
-                                                          offsets[idx] + (len(text) - len(c.delta_text)))
+                                                          offsets[idx] + (len(text) - len(c.delta_text))
+                                                          + shifts.get(idx, 0))
                                 lp = new if lp is None else _concat(lp, new)
                             gen_tokens[idx] = len(c.token_ids)
                             if not text and c.finish_reason is None and lp is None and plp is None:
@@ -170,9 +173,8 @@ async def create_completion(body: CompletionRequest, request: Request):
                     text = prompt_text(i, out) + text
                 if k is not None:
                     if body.echo and out.prompt_logprobs is not None:
-                        lp = _concat(completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, k, 0, piece),
-                                     completion_logprobs(c.token_ids, c.logprobs or [], k,
-                                                         len(prompt_text(i, out))))
+                        head = completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, k, 0, piece)
+                        lp = _concat(head, completion_logprobs(c.token_ids, c.logprobs or [], k, _end(head)))
                     else:
                         lp = completion_logprobs(c.token_ids, c.logprobs or [], k,
                                                  len(prompt_text(i, out)) if body.echo else 0)
@@ -192,6 +194,11 @@ def _prompt_logprobs(body, out: RequestOutput):
     if body.prompt_logprobs is None or out.prompt_logprobs is None:
         return None
     return prompt_logprobs_entries(out.prompt_logprobs)
+
+
+def _end(lp) -> int:
+    """text_offset just past the last token of a CompletionLogProbs (0 when empty)."""
+    return lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
 
 
 def _concat(a, b):
