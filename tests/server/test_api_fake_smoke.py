@@ -53,12 +53,16 @@ def test_health_is_503_while_loading_then_200():
         assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
         r = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading" and r.headers["retry-after"]
+        # clients that poll /v1/models for readiness must not see a card with a made-up max_model_len
+        r = c.get("/v1/models")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_loading"
         release.set()
         deadline = time.monotonic() + 10
         while c.get("/health").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert c.get("/health").status_code == 200
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == FakeEngine().max_model_len
 
 
 def test_engine_failure_turns_health_503_and_requests_503():

@@ -50,6 +50,8 @@ async def version() -> dict:
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request):
     state = request.app.state.kv
+    if state.llm is None:  # max_model_len is only known once the model is loaded: 503 like generation
+        state.require_engine()
     cards = [ModelCard(id=name, created=state.created, root=state.settings.root or name,
                        max_model_len=state.max_model_len) for name in state.settings.served_model_names]
     return ModelList(data=cards)
