@@ -146,6 +146,14 @@ class ServerState:
         return engine
 
 
+def _settle(fut: asyncio.Future, result, exc: BaseException | None) -> None:
+    if not fut.done():
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+
 async def _in_daemon_thread(fn):
     """Run ``fn()`` in a daemon thread (a SIGTERM during loading must not wait for the load to end)."""
     loop = asyncio.get_running_loop()
@@ -155,9 +163,11 @@ async def _in_daemon_thread(fn):
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_exception(exc))
+            # bind the exception now: Python unbinds ``exc`` when the except block ends, before the
+            # loop runs the callback (a closure over it raised NameError and the load hung)
+            loop.call_soon_threadsafe(_settle, fut, None, exc)
         else:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+            loop.call_soon_threadsafe(_settle, fut, result, None)
 
     threading.Thread(target=work, name="kvfleet-load", daemon=True).start()
     return await fut
