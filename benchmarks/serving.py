@@ -4,7 +4,7 @@
 2. runs ``kvfleet-bench`` for each dataset (random, shared-prefix) at each concurrency (default 1 and 8);
 3. prints one table and writes everything to a JSON file.
 
-    python benchmarks/serving.py --num-prompts 32 --concurrency 1 8 --out serving.json
+    python benchmarks/serving.py --num-prompts 32 --concurrency 1 8   # JSON: benchmarks/results/serving.json
 Any other OpenAI-compatible server can be measured the same way with ``kvfleet-bench --base-url``.
 """
 
@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -39,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: system prompt words")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--server-arg", action="append", default=[], help="extra kvfleet-server flag (repeatable)")
-    p.add_argument("--out", default="serving_benchmark.json")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "serving.json"),
+                   help="JSON result path (default benchmarks/results/serving.json)")
     args = p.parse_args(argv)
 
     port = _free_port()
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{s['dataset']:<14}{s['concurrency']:>5}{s['request_throughput']:>8.2f}{s['output_throughput']:>11.1f}"
                   f"{s['ttft_ms']['p50']:>10.0f}{s['ttft_ms']['p99']:>10.0f}{s['itl_ms']['p50']:>9.1f}"
                   f"{s['e2e_ms']['p50']:>9.0f}{s['e2e_ms']['p99']:>9.0f}")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"cold_start_s": cold_start, "model": args.model, "runs": runs}, f, indent=1)
         return 0
