@@ -95,7 +95,7 @@ def measure_engine(kv_bytes: int, max_num_seqs: int, threads: int | None) -> dic
     """Measure decode step time vs batch size, prefill cost and KV geometry of the real engine."""
     from kvfleet_server import SamplingParams
     from kvfleet_server.config import EngineConfig
-    from kvfleet_server.engine import LLMEngine
+    from kvfleet_server.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model="smollm2", device="cpu", dtype="float32",

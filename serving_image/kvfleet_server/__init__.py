@@ -14,7 +14,7 @@ __all__ = [
     "InvalidRequestError", "PromptTooLongError", "UnsupportedFeatureError", "EngineDeadError",
 ]
 
-_LAZY = {"LLM": ".llm", "LLMEngine": ".engine", "EngineConfig": ".config"}
+_LAZY = {"LLM": ".llm", "LLMEngine": ".engine.llm_engine", "EngineConfig": ".config"}
 
 
 def __getattr__(name: str):

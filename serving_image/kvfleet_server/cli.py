@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def factory():
         t0 = time.monotonic()
-        from .engine import LLMEngine
+        from .engine.llm_engine import LLMEngine
         t1 = time.monotonic()
         llm = LLMEngine(config)
         t2 = time.monotonic()

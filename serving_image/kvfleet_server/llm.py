@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 from .config import EngineConfig
-from .engine import LLMEngine
+from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 

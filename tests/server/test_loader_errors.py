@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfleet_server.errors import UnsupportedFeatureError
-from kvfleet_server.loader import ModelLoadError, load_model
+from kvfleet_server.model.loader import ModelLoadError, load_model
 
 
 def _copy(src, tmp_path):

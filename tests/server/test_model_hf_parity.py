@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvfleet_server import LLM, SamplingParams
-from kvfleet_server.loader import load_model
-from kvfleet_server.scheduler import Request, ScheduledSeq, Sequence
-from kvfleet_server.kv_cache import KVCacheManager
-from kvfleet_server.runner import ModelRunner
+from kvfleet_server.model.loader import load_model
+from kvfleet_server.engine.scheduler import Request, ScheduledSeq, Sequence
+from kvfleet_server.engine.kv_cache import KVCacheManager
+from kvfleet_server.executor.model_runner import ModelRunner
 from kvfleet_server.attention import TorchAttentionBackend
 
 PROMPT = [5, 17, 923, 4410, 88, 12000, 301, 7, 7, 9, 45000, 1234, 16, 2048, 99, 3, 600, 42, 420, 4242,
@@ -72,7 +72,7 @@ def test_greedy_tokens_match_transformers(request, fixture):
 
 
 def test_llama3_rope_scaling_is_read(tiny_llama_dir):
-    from kvfleet_server.loader import read_hf_config
+    from kvfleet_server.model.loader import read_hf_config
 
     cfg = read_hf_config(tiny_llama_dir)
     assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0

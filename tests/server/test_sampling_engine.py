@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kvfleet_server import SamplingParams
-from kvfleet_server.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
-from kvfleet_server.sampling import SampleRow, sample
+from kvfleet_server.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
+from kvfleet_server.sample.sampler import SampleRow, sample
 
 from engine_helpers import assert_all_blocks_free, run_to_completion
 

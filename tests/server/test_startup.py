@@ -31,7 +31,7 @@ MESSAGES = [
 def readers(gguf_path):
     from gguf import GGUFReader
 
-    from kvfleet_server.loader import open_gguf
+    from kvfleet_server.model.loader import open_gguf
 
     return GGUFReader(gguf_path), open_gguf(gguf_path)
 
@@ -50,13 +50,13 @@ def test_single_parse_reader_equals_gguf_reader(readers):
 
 
 def test_config_from_shared_reader_equals_fresh_parse(gguf_path, readers):
-    from kvfleet_server.loader import load_model_config, read_gguf_config
+    from kvfleet_server.model.loader import load_model_config, read_gguf_config
 
     assert load_model_config(gguf_path, readers[1]) == read_gguf_config(readers[0])
 
 
 def test_gguf_tensors_are_writable_float32_copies(readers):
-    from kvfleet_server.loader import read_gguf_config, read_gguf_tensors
+    from kvfleet_server.model.loader import read_gguf_config, read_gguf_tensors
 
     reader = readers[1]
     tensors = read_gguf_tensors(reader, read_gguf_config(reader))
@@ -73,7 +73,7 @@ def test_gguf_tensors_are_writable_float32_copies(readers):
 def tokenizers(gguf_path):
     from transformers import AutoTokenizer
 
-    from kvfleet_server.tokenizer import Tokenizer
+    from kvfleet_server.model.tokenizer import Tokenizer
 
     ref = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
     return ref, Tokenizer.from_path(gguf_path, gguf_architecture="llama")
@@ -102,7 +102,7 @@ def test_fast_gguf_tokenizer_chat_template_and_specials_equal_autotokenizer(toke
 
 def test_engine_reports_startup_phases(gguf_path):
     from kvfleet_server.config import EngineConfig
-    from kvfleet_server.engine import LLMEngine
+    from kvfleet_server.engine.llm_engine import LLMEngine
 
     llm = LLMEngine(EngineConfig(model=gguf_path, kv_cache_memory_bytes=16 * 2**20, max_model_len=256))
     timings = llm.startup_timings
@@ -113,7 +113,7 @@ def test_engine_reports_startup_phases(gguf_path):
 
 def test_engine_on_hf_directory_has_no_gguf_phase(tiny_llama_dir):
     from kvfleet_server.config import EngineConfig
-    from kvfleet_server.engine import LLMEngine
+    from kvfleet_server.engine.llm_engine import LLMEngine
 
     llm = LLMEngine(EngineConfig(model=tiny_llama_dir, kv_cache_memory_bytes=2**20, max_model_len=64))
     assert "gguf parse" not in llm.startup_timings
@@ -121,7 +121,7 @@ def test_engine_on_hf_directory_has_no_gguf_phase(tiny_llama_dir):
 
 
 def test_open_gguf_refuses_a_non_gguf_file_naming_it(tmp_path):
-    from kvfleet_server.loader import ModelLoadError, open_gguf
+    from kvfleet_server.model.loader import ModelLoadError, open_gguf
 
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"NOTGGUF" + bytes(64))

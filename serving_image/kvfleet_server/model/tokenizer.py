@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 
 class Tokenizer:

@@ -22,7 +22,7 @@ import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from .errors import KVFleetError
+from ..errors import KVFleetError
 
 
 class NoFreeBlocksError(KVFleetError, RuntimeError):

@@ -25,8 +25,8 @@ from enum import Enum
 import torch
 
 from .kv_cache import KVCacheManager, hash_block_tokens
-from .outputs import PositionLogprobs, RequestMetrics
-from .sampling_params import SamplingParams
+from ..outputs import PositionLogprobs, RequestMetrics
+from ..sampling_params import SamplingParams
 
 
 class SeqStatus(Enum):

@@ -15,9 +15,9 @@ import os
 import numpy as np
 import torch
 
-from .errors import UnsupportedFeatureError
-from .models import MODEL_REGISTRY, ModelConfig
-from .models.config import SUPPORTED_ARCHITECTURES
+from ..errors import UnsupportedFeatureError
+from . import MODEL_REGISTRY, ModelConfig
+from .config import SUPPORTED_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 

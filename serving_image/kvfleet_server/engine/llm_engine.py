@@ -17,19 +17,19 @@ import time
 
 import torch
 
-from .attention import get_attention_backend
-from .config import DEFAULT_CPU_KV_CACHE_BYTES, MAX_DEFAULT_MODEL_LEN, EngineConfig
+from ..attention import get_attention_backend
+from ..config import DEFAULT_CPU_KV_CACHE_BYTES, MAX_DEFAULT_MODEL_LEN, EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
-from .errors import InvalidRequestError, PromptTooLongError
+from ..errors import InvalidRequestError, PromptTooLongError
 from .kv_cache import KVCacheManager
-from .loader import is_gguf, load_model, load_model_config, open_gguf
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .runner import ModelRunner, kv_bytes_per_token
-from .sampling import SampleRow, TokenLogprobs, prompt_logprobs, sample
-from .sampling_params import SamplingParams
+from ..model.loader import is_gguf, load_model, load_model_config, open_gguf
+from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..executor.model_runner import ModelRunner, kv_bytes_per_token
+from ..sample.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
+from ..sampling_params import SamplingParams
 from .scheduler import Request, ScheduledSeq, Scheduler, Sequence, SeqStatus
-from .stats import IterationStats, SchedulerStats
-from .tokenizer import Tokenizer
+from ..stats import IterationStats, SchedulerStats
+from ..model.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvfleet.engine")
 

@@ -8,7 +8,7 @@ tokens). The deltas therefore never split a character and concatenate to the ful
 
 from __future__ import annotations
 
-from .tokenizer import Tokenizer
+from ..model.tokenizer import Tokenizer
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded as context so the first output piece gets its spacing right
 

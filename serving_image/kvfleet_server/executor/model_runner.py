@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
-from .scheduler import ScheduledSeq
+from ..attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
+from ..engine.scheduler import ScheduledSeq
 
 # Decode grouping: sequences sorted by context length are split when padding would waste more than
 # this fraction of a group's gathered K/V (and the group already has a few members).

@@ -1,0 +1,1 @@
+"""Sampling: the batched sampler; rejection sampling and grammar masks when they land."""
