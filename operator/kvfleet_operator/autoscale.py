@@ -20,11 +20,14 @@ vLLM-style servers watch, with the known failures of other autoscalers designed 
   recommendation of the current size: a restarted controller waits one full window, then still
   scales a quiet service down.
 * **Step limit.** One step raises the size to at most ``max(2 × current, current + 1)``.
-* **Capacity on the way.** Pods that are starting (not Ready yet, not crashing, younger than
-  ``startupTimeoutSeconds``) will take load once loaded; while any exist, scale-ups are held (GPU
-  pods take minutes to schedule and load weights, and a queue keeps growing meanwhile — scaling up
-  again for the same load is the cascading failure of other autoscalers). Older or crashing pods
-  are neither capacity nor load and block nothing.
+* **Capacity on the way, counted.** Pods that are starting (not Ready yet, not crashing, younger
+  than ``startupTimeoutSeconds``) count as replicas that will carry load at the target once they
+  are Ready. A scale-up goes to the recommendation ``r`` when ``r`` exceeds both the current size
+  and Ready + starting; when Ready + starting already cover ``r`` the size is held
+  (``ReplicasStarting``) — scaling up again for load the starting pods will take is the cascading
+  failure of other autoscalers. (kvfleet's first pass held *every* scale-up while any pod started,
+  which left bursts that outgrow the first new replicas queued for a whole start-up.) Older or
+  crashing pods are neither capacity nor load and block nothing.
 * **Missing data is neither zero nor full.** Pods that are not Ready or whose scrape failed are left
   out of the means. Scaling up extrapolates the readable pods' mean to all Ready pods; scaling down
   keeps one replica for every unreadable Ready pod (their load is unknown). When more than half of
@@ -124,11 +127,15 @@ class PodMetrics:
 
     kv_cache_usage: fraction of KV blocks in use, 0..1 (``vllm:kv_cache_usage_perc``).
     num_requests_waiting / num_requests_running: request counts (vLLM's gauges of those names).
+    kv_cache_blocks_cached: free KV blocks still holding a reusable prefix
+    (``kvfleet:kv_cache_blocks_cached``; vLLM exports none) — not a decision input, it only
+    orders the pods a scale-down removes (``kvfleet_operator.deletion_cost``).
     """
 
     kv_cache_usage: float | None = None
     num_requests_waiting: float | None = None
     num_requests_running: float | None = None
+    kv_cache_blocks_cached: float | None = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +184,8 @@ class Decision:
     "kv cache usage 0.93 > target 0.80". holds: why a wanted change was not made (empty if none).
     recommendation: this evaluation's clamped recommendation before stabilization (None when held
     for missing data). history: pass it to the next call. Observed figures (None when unknown):
-    kv_cache_usage (mean over readable pods), waiting_per_replica, ready, readable, starting.
+    kv_cache_usage (mean over readable pods), waiting_per_replica, ready, readable, starting
+    (starting replicas counted as capacity on the way) and starting_pods (their names).
     """
 
     desired_replicas: int
@@ -192,6 +200,7 @@ class Decision:
     ready: int = 0
     readable: int = 0
     starting: int = 0
+    starting_pods: tuple[str, ...] = ()
     direction: str = field(default="none")  # "up", "down" or "none"
     # CamelCase reason for status/Events: KVCacheUsageHigh, QueueLengthHigh, LoadLow, WithinTarget,
     # ReplicasStarting, ScaleUpStabilizing, ScaleDownStabilizing, ScalingLimited (at maxReplicas,
@@ -259,7 +268,15 @@ def _sanitized(m: PodMetrics | None) -> PodMetrics | None:
     kv, waiting = _valid(m.kv_cache_usage, 1.0), _valid(m.num_requests_waiting, math.inf)
     if kv is None and waiting is None:
         return None
-    return PodMetrics(kv, waiting, _valid(m.num_requests_running, math.inf))
+    return PodMetrics(kv, waiting, _valid(m.num_requests_running, math.inf),
+                      _valid(m.kv_cache_blocks_cached, math.inf))
+
+
+def _counted_text(starting: Sequence[PodObservation], names: int = 3) -> str:
+    """'2 starting counted (a, b)': the starting replicas counted as capacity, first few named."""
+    shown = ", ".join(p.name for p in starting[:names])
+    more = f", +{len(starting) - names} more" if len(starting) > names else ""
+    return f"{len(starting)} starting counted ({shown}{more})"
 
 
 def _clamp(n: int, policy: AutoscalingPolicy) -> int:
@@ -308,7 +325,8 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
     kv_mean = _mean(kv_values) if kv_values else None
     wait_mean = _mean(wait_values) if wait_values else None
     observed = dict(kv_cache_usage=kv_mean, waiting_per_replica=wait_mean, ready=n_ready,
-                    readable=n_readable, starting=len(starting))
+                    readable=n_readable, starting=len(starting),
+                    starting_pods=tuple(p.name for p in starting))
 
     def finish(desired: int, reason: str, holds: tuple[str, ...], rec: int | None,
                recs: tuple[Recommendation, ...], code: str) -> Decision:
@@ -385,16 +403,24 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
             holds.append(f"{winner.text} asks for {winner.replicas} replicas; limited by "
                          f"maxReplicas {policy.max_replicas}")
 
-    # --- Scale-up step limit, and capacity on the way. ---------------------------------------
+    # --- Capacity on the way (counted, not frozen), then the scale-up step limit. -------------
+    capacity = n_ready + len(starting)
+    counted = _counted_text(starting)
     if desired > current_replicas:
-        limit = max(2 * current_replicas, current_replicas + 1)
-        if desired > limit:
-            holds.append(f"scale-up limited to {limit} this step (wanted {desired})")
-            desired = limit
-        if starting:
-            holds.append(f"scale-up to {desired} held: {len(starting)} replica(s) starting "
-                         "(capacity on the way)")
+        if starting and desired <= capacity:
+            holds.append(f"scale-up to {desired} held: covered by {n_ready} Ready + "
+                         f"{counted} (capacity on the way)")
             desired = current_replicas
+        else:
+            limit = max(2 * current_replicas, current_replicas + 1)
+            if desired > limit:
+                holds.append(f"scale-up limited to {limit} this step (wanted {desired})")
+                desired = limit
+    elif (starting and winner.ratio - 1.0 > policy.tolerance and n_ready < rec <= capacity
+          and desired == current_replicas and not holds):
+        # The load needs more than the Ready pods; the starting ones are counted to cover it.
+        holds.append(f"recommendation {rec} covered by {n_ready} Ready + {counted} "
+                     "(capacity on the way)")
 
     desired_clamped = _clamp(desired, policy)
     if desired_clamped != desired:
@@ -405,6 +431,8 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
     if desired > current_replicas:
         if winner.ratio > 1.0:
             reason = f"{winner.text} > target {winner.target_text}"
+            if starting:
+                reason += f"; {counted}"
             code = winner.code
         else:
             reason = f"raised to minReplicas {policy.min_replicas}"

@@ -97,21 +97,58 @@ def test_restart_with_empty_history_scales_down_after_one_window():
     assert sizes[-1][1] == 1
 
 
-def test_starting_replicas_suppress_second_scale_up_for_same_load():
+def crashing(n: int) -> list[PodObservation]:
+    return [PodObservation(f"c{i}", ready=False, age_seconds=20, crashing=True) for i in range(n)]
+
+
+@pytest.mark.parametrize("current,pods,max_replicas,expected,code,reason_part", [
+    # The issue's case: 2 loaded Ready pods (queue 20 vs target 5: r = ceil(2 × 4) = 8, clamped
+    # to 4) + 1 starting = 3 < 4 -> 4, and the counted starting pod is named.
+    (3, ready(2, kv=1.0, waiting=20) + starting(1), 4, 4, "QueueLengthHigh",
+     "waiting requests 20.0/replica > target 5; 1 starting counted (s0)"),
+    # Same load, room to grow: r = 8 > 3, step-limited to 2 × 3 = 6.
+    (3, ready(2, kv=1.0, waiting=20) + starting(1), 10, 6, "QueueLengthHigh", "1 starting counted"),
+    # The queue grew while 2 replicas start: r = ceil(2 × 20/5) = 8 > 2 + 2 -> 8 (was held).
+    (4, ready(2, kv=0.7, waiting=20) + starting(2, age=15), 10, 8, "QueueLengthHigh",
+     "2 starting counted (s0, s1)"),
+    # Many starting pods: the first three are named.
+    (6, ready(2, kv=0.7, waiting=40) + starting(4), 10, 10, "QueueLengthHigh",
+     "4 starting counted (s0, s1, s2, +1 more)"),
+    # Covered: the same 2 Ready pods need ceil(2 × 7/5) = 3 = 2 Ready + 1 starting: no change,
+    # and the status says the starting pod is counted.
+    (3, ready(2, kv=0.5, waiting=7) + starting(1), 4, 3, "ReplicasStarting",
+     "recommendation 3 covered by 2 Ready + 1 starting counted (s0)"),
+    # Covered although r exceeds the asked-for size (a rolling update's surge pod is starting):
+    # r = 3 <= 2 Ready + 1 starting -> held, no cascade.
+    (2, ready(2, kv=0.5, waiting=7) + starting(1), 4, 2, "ReplicasStarting",
+     "scale-up to 3 held: covered by 2 Ready + 1 starting counted (s0)"),
+    # A pod starting for longer than startupTimeoutSeconds is not counted (not capacity).
+    (4, ready(2, kv=0.7, waiting=20) + starting(2, age=601), 10, 8, "QueueLengthHigh",
+     "waiting requests 20.0/replica > target 5"),
+    # Crashing pods are not counted: 2 Ready + 1 crashing at r = 3 = current: steady, no hold.
+    (3, ready(2, kv=0.5, waiting=7) + crashing(1), 4, 3, "WithinTarget", "steady at 3"),
+])
+def test_starting_replicas_count_as_capacity(current, pods, max_replicas, expected, code, reason_part):
     now = 10_000.0
-    # Step 1: 2 ready, queue 12 each -> 4.
-    d1 = decide(POLICY, 2, ready(2, kv=0.6, waiting=12), warm_history(now, 2), now)
-    assert d1.desired_replicas == 4
-    # Step 2: the 2 new pods are loading weights; the queue has grown meanwhile.
-    pods = ready(2, kv=0.7, waiting=20) + starting(2, age=15)
+    policy = AutoscalingPolicy(min_replicas=1, max_replicas=max_replicas,
+                               scale_down_stabilization_seconds=300, startup_timeout_seconds=600)
+    d = decide(policy, current, pods, warm_history(now, current), now)
+    assert (d.desired_replicas, d.code) == (expected, code), d.reason
+    assert reason_part in d.reason
+    if "starting counted" not in reason_part:
+        assert "starting counted" not in d.reason
+    assert d.starting == sum(1 for p in pods if not p.ready and not p.crashing and p.age_seconds <= 600)
+
+
+def test_starting_replicas_no_cascade_for_the_same_load():
+    """After a scale-up, while the new pods start, the same load asks for nothing more."""
+    now = 10_000.0
+    d1 = decide(POLICY, 2, ready(2, kv=0.6, waiting=9), warm_history(now, 2), now)
+    assert d1.desired_replicas == 4 and d1.code == "QueueLengthHigh"  # ceil(2 × 9/5) = 4
+    pods = ready(2, kv=0.6, waiting=9) + starting(2, age=15)
     d2 = decide(POLICY, 4, pods, d1.history, now + 15)
-    assert d2.desired_replicas == 4 and not d2.changed
-    assert any("starting" in h and "capacity on the way" in h for h in d2.holds)
-    assert d2.code == "ReplicasStarting" and d1.code == "QueueLengthHigh"
-    # A starting pod older than startupTimeoutSeconds is no longer capacity on the way.
-    pods = ready(2, kv=0.7, waiting=20) + starting(2, age=601)
-    d3 = decide(POLICY, 4, pods, d1.history, now + 15)
-    assert d3.desired_replicas == 8
+    assert d2.desired_replicas == 4 and not d2.changed and d2.code == "ReplicasStarting"
+    assert "covered by 2 Ready + 2 starting counted (s0, s1)" in d2.reason
 
 
 def test_crashing_pod_does_not_block_decisions():

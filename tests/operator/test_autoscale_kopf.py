@@ -102,22 +102,23 @@ async def test_autoscaler_scales_deployment_writes_status_and_events_and_stops_o
             async def status() -> dict:
                 return (await api.get(AV, PL, "default", name)).get("status") or {}
 
-            # One Ready pod, KV cache nearly full and a queue: 1 -> 2 (step limit: at most double).
-            e0.set(kv=0.95, waiting=12)
+            # One Ready pod, KV cache nearly full and a queue: 1 -> 2 (ceil(1 × 8/5) = 2).
+            e0.set(kv=0.95, waiting=8)
             await api.create("v1", "pods", "default", pod("chat-0", labels, e0.port, ready=True))
             await wait_for(lambda: _eq(replicas, 2), timeout=20)
             st = await wait_for(lambda: _status_with(status, "lastScaleTime"))
             assert st["desiredReplicas"] == 2
             assert st["autoscaling"]["reason"] == "QueueLengthHigh"
-            assert st["autoscaling"]["message"].startswith("scaled 1→2: waiting requests 12.0/replica > target 5")
+            assert st["autoscaling"]["message"].startswith("scaled 1→2: waiting requests 8.0/replica > target 5")
             events = await wait_for(lambda: _events(api, name))
             assert any(ev["message"].startswith("scaled 1→2:") and ev["reason"] == "ScaledUp"
                        and ev["involvedObject"]["uid"] == created["metadata"]["uid"] for ev in events)
 
-            # The new replica is starting: the same (even a growing) load asks for nothing more.
+            # The new replica is starting: it is counted as capacity, so the same load asks for
+            # nothing more (no cascade).
             await api.create("v1", "pods", "default", pod("chat-1", labels, e1.port, ready=False))
-            e0.set(kv=1.0, waiting=30)
             st = await wait_for(lambda: _status_reason(status, "ReplicasStarting"), timeout=20)
+            assert "covered by 1 Ready + 1 starting counted (chat-1)" in st["autoscaling"]["message"]
             assert await replicas() == 2
 
             # It becomes Ready; both pods idle -> back to minReplicas after the (test-short) window.
