@@ -41,7 +41,7 @@ RENDERED_FLAGS = {
     "--no-enable-prefix-caching": "spec.engine.enablePrefixCaching",
     "--quantization": "spec.engine.quantization", "--kv-cache-dtype": "spec.engine.kvCacheDtype",
     "--tensor-parallel-size": "spec.engine.tensorParallelSize", "--speculative-config": "spec.engine.speculative",
-    "--shutdown-timeout": "spec.engine.shutdownTimeoutSeconds",
+    "--shutdown-timeout": "spec.engine.shutdownTimeoutSeconds", "--num-threads": "spec.resources.cpu",
 }
 
 

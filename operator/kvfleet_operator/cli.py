@@ -65,10 +65,19 @@ class _PlainDumper(yaml.SafeDumper):
 def _render(args: argparse.Namespace) -> int:
     from . import admission, render
 
-    text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+    try:
+        text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
+        docs = list(yaml.safe_load_all(text))
+    except (OSError, UnicodeDecodeError) as exc:  # one line, no traceback
+        print(f"error: {args.file}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}",
+              file=sys.stderr)
+        return 2
+    except yaml.YAMLError as exc:
+        print(f"error: {args.file}: not YAML: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     out: list[dict[str, Any]] = []
     failed = False
-    for doc in yaml.safe_load_all(text):
+    for doc in docs:
         if not doc:
             continue
         if not isinstance(doc, dict) or doc.get("apiVersion") != api.API_VERSION or doc.get("kind") != api.KIND:

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
+from kubernetes.utils import parse_quantity
+from kvfleet_server.cli import FlagError, parse_flags, threads_for_cpus
+from kvfleet_server.errors import UnsupportedFeatureError
 
 from . import api
 
@@ -206,7 +210,36 @@ def server_args(spec: api.InferenceServiceSpec, model_path: str, draft_path: str
             cfg["prompt_lookup_max"] = sp.prompt_lookup_max
         args += ["--speculative-config", json.dumps(cfg, sort_keys=True, separators=(",", ":"))]
     args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
+    threads = cpu_threads(spec)
+    if threads is not None:
+        args += ["--num-threads", str(threads)]
     return args + list(e.extra_args)
+
+
+def cpu_threads(spec: api.InferenceServiceSpec) -> int | None:
+    """--num-threads of a CPU pod: the server's own rule (``threads_for_cpus``) over the CPUs the pod
+    requests, rounded up (500m → 1). None for GPU pods or when no CPU is requested (the server then
+    reads its cgroup limit and affinity)."""
+    if spec.gpus > 0 or spec.resources.cpu is None:
+        return None
+    cpus = parse_quantity(spec.resources.cpu)
+    return threads_for_cpus(max(1, math.ceil(cpus)))
+
+
+def check_server_args(args: list[str]) -> None:
+    """Ask kvfleet-server's own flag check (``kvfleet_server.cli.parse_flags`` and the one refusal list,
+    ``kvfleet_server.unsupported``) whether it would start with ``args``; Unrealisable naming the spec
+    field when it would exit at start-up instead."""
+    try:
+        parse_flags(args)
+    except UnsupportedFeatureError as exc:
+        where = api.RENDERED_FLAGS.get(exc.param or "", "spec.engine.extraArgs")
+        raise Unrealisable("UnsupportedFeature", f"{where}: kvfleet-server would refuse it: {exc}") from None
+    except FlagError as exc:
+        raise Unrealisable("InvalidExtraArgs", f"spec.engine.extraArgs: kvfleet-server would refuse the command "
+                                               f"line: {exc}") from None
+    except ValueError as exc:
+        raise Unrealisable("InvalidSpec", f"kvfleet-server would refuse its flags: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------- render
@@ -250,6 +283,8 @@ def render(obj: dict[str, Any], replicas: int | None = None) -> Children:
         if sp is not None and sp.draft_model else None
     gpus = spec.gpus
     e = spec.engine
+    args = server_args(spec, model_path, draft_path)
+    check_server_args(args)
 
     env = [v.model_dump(by_alias=True, exclude_none=True) for v in e.env]
     env_names = {v["name"] for v in env}
@@ -277,7 +312,7 @@ def render(obj: dict[str, Any], replicas: int | None = None) -> Children:
         "image": e.image,
         "imagePullPolicy": e.image_pull_policy,
         "command": ["kvfleet-server"],
-        "args": server_args(spec, model_path, draft_path),
+        "args": args,
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": spec.service.port, "protocol": "TCP"}],
         "env": env,
         "resources": resources,
@@ -288,6 +323,8 @@ def render(obj: dict[str, Any], replicas: int | None = None) -> Children:
         "livenessProbe": {"httpGet": health, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
         "securityContext": _security_context(),
+        # the server's last stderr line ("not supported yet: ...") reaches status and `kubectl get infsvc`
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     init_containers = [{
         "name": f"model-download-{i}" if i else "model-download",

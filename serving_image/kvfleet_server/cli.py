@@ -49,20 +49,26 @@ def available_cpus() -> int:
     return max(1, cpus)
 
 
+def threads_for_cpus(cpus: int) -> int:
+    """Compute threads for the engine on ``cpus`` CPUs: all but one, which is left to the HTTP side
+    (vLLM's CPU backend also keeps a core for its frontend); at least 1. Oversubscribed OpenMP threads
+    spin-wait against each other and slow every step several-fold. The operator renders
+    ``--num-threads`` for CPU pods with the same rule."""
+    return max(1, cpus - 1)
+
+
 def default_num_threads() -> int:
-    """Compute threads for the engine on CPU: all usable CPUs but one, which is left to the HTTP side
-    (vLLM's CPU backend also keeps a core for its frontend). Oversubscribed OpenMP threads spin-wait
-    against each other and slow every step several-fold."""
-    return max(1, available_cpus() - 1)
+    """``threads_for_cpus`` of the CPUs this process may use (``available_cpus``)."""
+    return threads_for_cpus(available_cpus())
 
 
 def _json_arg(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--speculative-config must be a JSON object: {exc}") from None
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {exc}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--speculative-config must be a JSON object")
+        raise argparse.ArgumentTypeError("must be a JSON object")
     return value
 
 
@@ -73,55 +79,141 @@ def _positive_int(text: str) -> int:
     return v
 
 
+class FlagError(ValueError):
+    """A command line argparse refuses (unknown flag, bad value); the message names the flag."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises FlagError instead of exiting, so ``kvfleet-operator render`` can ask it too."""
+
+    def error(self, message: str):
+        raise FlagError(message)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows "(default: X)" only for real defaults: not for None (the help says what unset means)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "(default" not in text and action.default not in (None, argparse.SUPPRESS) \
+                and action.option_strings and not isinstance(action, argparse._StoreTrueAction):
+            text += " (default: %(default)s)"
+        return text
+
+
+# What the API key leaves open (api/app.py's OPEN_PATHS; tests/server/test_cli_flags.py keeps them equal).
+API_KEY_HELP = ("require 'Authorization: Bearer <key>' on every endpoint except /health, /metrics, /version, "
+                "/openapi.json, /docs, /docs/oauth2-redirect and /redoc (vLLM guards only /v1; kvfleet also "
+                "guards /tokenize and /detokenize); default from env VLLM_API_KEY or KVFLEET_API_KEY")
+
+
+def _engine_default(name: str):
+    from dataclasses import fields
+
+    from .config import EngineConfig
+
+    return next(f.default for f in fields(EngineConfig) if f.name == name)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    """The command line, vLLM's flag names and meanings. Flags for features kvfleet lacks are parsed and
+    then refused by name (``unsupported.ENGINE_REFUSALS``), never accepted and ignored."""
+    p = _Parser(
         prog="kvfleet-server",
         description="OpenAI-compatible LLM server (vLLM's flag names). Serves /v1/completions, "
                     "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize, /version.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_HelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="smollm2",
+    m.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as in `vllm serve MODEL` (same as --model; give one or the other)")
+    m.add_argument("--model", default=None,
                    help="HF-style model directory (safetensors + tokenizer), a .gguf file, or 'smollm2' for the "
-                        "bundled SmolLM2-135M-Instruct GGUF")
+                        "bundled SmolLM2-135M-Instruct GGUF (default: smollm2)")
     m.add_argument("--tokenizer", default=None, help="tokenizer directory or file (default: the model's own)")
     m.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) accepted in the request's 'model' field; the first labels the metrics "
-                        "(default: the --model value)")
-    m.add_argument("--dtype", default="auto", help="weights/activation dtype: auto, float32, float16, bfloat16")
-    m.add_argument("--quantization", default=None, help="weight quantization method (refused if not built)")
+                   help="name(s) accepted in the request's 'model' field, all listed by /v1/models; the first "
+                        "is reported in responses and labels the metrics (default: the --model string as given)")
+    m.add_argument("--chat-template", default=None,
+                   help="chat template (Jinja) for /v1/chat/completions: a file path or the template itself "
+                        "(default: the tokenizer's own)")
+    m.add_argument("--trust-remote-code", action="store_true",
+                   help="vLLM: allow the model repository's own Python code. kvfleet never runs repository code "
+                        "(it implements the Llama family itself), so the flag changes nothing; other "
+                        "architectures are refused with or without it")
+    m.add_argument("--revision", default=None, help="Hub revision to download (refused: not supported yet)")
+    m.add_argument("--download-dir", default=None, help="Hub download directory (refused: not supported yet)")
+    m.add_argument("--generation-config", default="vllm",
+                   help="'vllm': request defaults are vLLM's own and generation_config.json is not read "
+                        "(vLLM's default 'auto' and a folder are refused: not supported yet)")
+    m.add_argument("--dtype", default="auto",
+                   help="weights/activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, float16 "
+                        "(GPU only), bfloat16")
+    m.add_argument("--quantization", "-q", default=None,
+                   help="weight quantization method: gguf (a .gguf file, dequantized at load); others are "
+                        "refused (default: none)")
     m.add_argument("--seed", type=int, default=0, help="random seed of the engine")
+    m.add_argument("--max-logprobs", type=int, default=_engine_default("max_logprobs"),
+                   help="most log-probabilities per token a request may ask for (logprobs, top_logprobs, "
+                        "prompt_logprobs); -1: the vocabulary size")
     e = p.add_argument_group("engine")
     e.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="where the model runs")
-    e.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV-cache block")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    e.add_argument("--block-size", type=_positive_int, default=_engine_default("block_size"),
+                   help="tokens per KV-cache block")
+    e.add_argument("--gpu-memory-utilization", type=float, default=_engine_default("gpu_memory_utilization"),
                    help="fraction of accelerator memory the engine may use (weights + KV cache)")
     e.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV-cache size in bytes (overrides --gpu-memory-utilization for the KV pool)")
+                   help="KV-cache size in bytes (overrides --gpu-memory-utilization for the KV pool; "
+                        "default: 1 GiB on CPU, derived from --gpu-memory-utilization on CUDA)")
     e.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="context length: prompt + generated tokens (default: the model's)")
-    e.add_argument("--max-num-seqs", type=_positive_int, default=None,
+                   help="context length: prompt + generated tokens (default: the model's, capped at 8192 and "
+                        "at what the KV pool holds)")
+    e.add_argument("--max-num-seqs", type=_positive_int, default=_engine_default("max_num_seqs"),
                    help="most sequences in one batch (running requests)")
     e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help="most tokens computed in one engine step (prefill chunks + decodes)")
-    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="most tokens computed in one engine step (prefill chunks + decodes) (default: 2048, "
+                        "raised to --max-num-seqs when that is larger)")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=_engine_default("enable_prefix_caching"),
                    help="reuse the KV blocks of shared prompt prefixes (automatic prefix caching)")
-    e.add_argument("--kv-cache-dtype", default="auto", help="KV-cache dtype: auto (= model dtype) or a supported one")
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prefills into chunks of --max-num-batched-tokens (always on in kvfleet; "
+                        "--no-enable-chunked-prefill is refused)")
+    e.add_argument("--enforce-eager", action="store_true",
+                   help="vLLM: no CUDA graphs. kvfleet always runs eagerly (it captures no CUDA graphs), so "
+                        "this is what it does anyway")
+    e.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV-cache dtype: auto (= the model dtype); others are refused")
     e.add_argument("--num-threads", type=_positive_int, default=None,
                    help="intra-op threads of the engine on CPU (default: usable CPUs - 1, respecting the "
                         "affinity set and a cgroup CPU limit; OMP_NUM_THREADS also sets it)")
-    e.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="number of tensor-parallel ranks")
+    e.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                   help="number of tensor-parallel ranks (only 1)")
+    e.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
+                   help="number of pipeline stages (only 1)")
     e.add_argument("--speculative-config", type=_json_arg, default=None,
                    help='speculative decoding, JSON (e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\')')
+    e.add_argument("--enable-lora", action="store_true", help="LoRA adapters (refused: not supported yet)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to bind")
     s.add_argument("--port", type=int, default=8000, help="port to bind")
+    s.add_argument("--root-path", default=None,
+                   help="path prefix the server sits under behind a path-based proxy (ASGI root_path)")
     s.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or os.environ.get("KVFLEET_API_KEY"),
-                   help="require 'Authorization: Bearer <key>' on the API (not on /health, /metrics); "
-                        "default from env VLLM_API_KEY or KVFLEET_API_KEY")
+                   help=API_KEY_HELP)
+    s.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS allowed origins, JSON list")
+    s.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS allowed methods, JSON list")
+    s.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS allowed headers, JSON list")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     s.add_argument("--max-queue-len", type=_positive_int, default=None,
                    help="answer 429 (Retry-After) when this many requests are already waiting (default: unbounded)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="vLLM: do not log each request. kvfleet logs no request contents (only uvicorn's "
+                        "access log lines, see --disable-uvicorn-access-log)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="vLLM: no periodic stats log lines. kvfleet writes none (statistics are on /metrics, "
+                        "which this does not change, as in vLLM)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="kvfleet's log level")
     s.add_argument("--uvicorn-log-level", default="warning",
@@ -133,14 +225,42 @@ def build_parser() -> argparse.ArgumentParser:
 ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_memory_utilization",
                  "kv_cache_memory_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
-                 "speculative_config", "seed", "num_threads")
+                 "speculative_config", "seed", "num_threads", "max_logprobs")
+
+
+def parse_flags(argv: list[str]) -> argparse.Namespace:
+    """Parse a kvfleet-server command line and apply the server's start-up checks, without I/O.
+
+    Raises FlagError (argparse's message: unknown flag, bad value), UnsupportedFeatureError (the first
+    hit of ``unsupported.ENGINE_REFUSALS``) or ValueError (a value EngineConfig refuses, or a
+    setting the server refuses). Used by ``main`` and by ``kvfleet-operator render``."""
+    from .errors import UnsupportedFeatureError
+    from .unsupported import engine_refusals
+
+    args = build_parser().parse_args(argv)
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise FlagError(f"give the model once: positional {args.model_tag!r} and --model {args.model!r} differ")
+    args.model = args.model if args.model is not None else (args.model_tag or "smollm2")
+    if args.shutdown_timeout < 0:
+        raise FlagError("--shutdown-timeout must be non-negative")
+    if args.max_logprobs < -1:
+        raise FlagError(f"--max-logprobs must be -1 or non-negative, got {args.max_logprobs}")
+    for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
+        value = getattr(args, flag)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise FlagError(f"--{flag.replace('_', '-')} must be a JSON list of strings, got {value!r}")
+    refused = engine_refusals(vars(args))
+    if refused:  # param: the flag, so that the operator can name the spec field that rendered it
+        raise UnsupportedFeatureError(refused[0].message(vars(args)), param=refused[0].flag)
+    engine_config(args)  # EngineConfig's own checks (ValueError naming the field)
+    return args
 
 
 def engine_config(args: argparse.Namespace):
     """EngineConfig from the parsed flags (raises UnsupportedFeatureError / ValueError on bad values)."""
     from .config import EngineConfig
 
-    kwargs = {name: getattr(args, name) for name in ENGINE_FIELDS if getattr(args, name) is not None}
+    kwargs = {name: getattr(args, name) for name in ENGINE_FIELDS if getattr(args, name, None) is not None}
     if args.served_model_name:
         kwargs["served_model_name"] = args.served_model_name[0]
     if "num_threads" not in kwargs and not os.environ.get("OMP_NUM_THREADS"):
@@ -148,21 +268,35 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(**kwargs)
 
 
+def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a readable file's contents, else the value itself is the template (vLLM's rule)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise FlagError(f"--chat-template: {value!r} is neither a readable file nor a Jinja template")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvfleet-server``; returns the process exit status."""
     t_main = time.monotonic()
     age_at_main = _process_age_s()
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    if args.shutdown_timeout < 0:
-        print("error: --shutdown-timeout must be non-negative", file=sys.stderr)
-        return 2
     try:
+        args = parse_flags(sys.argv[1:] if argv is None else argv)
+        chat_template = read_chat_template(args.chat_template)
         config = engine_config(args)
+    except FlagError as exc:
+        build_parser().print_usage(sys.stderr)
+        print(f"kvfleet-server: error: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, TypeError) as exc:  # UnsupportedFeatureError / InvalidRequestError are ValueErrors
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
     logger.info("start-up: interpreter + imports %.2fs, flags and config %.2fs; engine threads: %s",
                 age_at_main if age_at_main is not None else float("nan"), time.monotonic() - t_main,
                 config.num_threads or os.environ.get("OMP_NUM_THREADS") or "torch default")
@@ -173,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         served_model_names=args.served_model_name or [config.resolved_served_name()], api_key=args.api_key,
         max_queue_len=args.max_queue_len, shutdown_timeout=args.shutdown_timeout,
         max_model_len=args.max_model_len or 2048, max_num_batched_tokens=args.max_num_batched_tokens or 2048,
-        root=args.model)
+        root=args.model, max_logprobs=args.max_logprobs, chat_template=chat_template,
+        cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+              "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials})
 
     def factory():
         t0 = time.monotonic()
@@ -203,6 +339,7 @@ async def _serve(app, state, args, t_main: float, age_at_main: float | None) -> 
             return contextlib.nullcontext()
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            root_path=args.root_path or "",
                             access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
                             timeout_graceful_shutdown=5, lifespan="on")
     server = _Server(config)

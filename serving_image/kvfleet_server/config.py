@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .errors import UnsupportedFeatureError
+from .unsupported import engine_refusals
 
 BUNDLED_MODEL_ALIASES = ("smollm2",)
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB (vLLM's VLLM_CPU_KVCACHE_SPACE default is 4 GiB)
 MAX_DEFAULT_MODEL_LEN = 8192
 
@@ -60,7 +60,10 @@ class EngineConfig:
             (raised to max_num_seqs if smaller).
         enable_prefix_caching: reuse KV of identical prompt prefixes (issue 7).
         seed: seeds the RNG used for requests without their own seed.
-        served_model_name: model name reported by the API (default: derived from ``model``).
+        max_logprobs: most log-probabilities a request may ask for per token (logprobs, top_logprobs,
+            prompt_logprobs); -1 means the vocabulary size (vLLM's --max-logprobs, default 20).
+        served_model_name: model name reported by the API (default: the ``model`` string itself, vLLM's
+            rule: ``"smollm2"`` for the bundled model, ``"/models/llama"`` for that directory).
     """
 
     model: str | None = None
@@ -81,28 +84,22 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     num_threads: int | None = None
+    max_logprobs: int = 20
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
 
+    def settings(self, **override) -> dict:
+        """Field name → value (what ``unsupported.engine_refusals`` reads)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | override
+
     def validate(self) -> None:
-        """Raise ValueError naming the field for bad values, UnsupportedFeatureError for features
-        not built yet."""
-        if self.tensor_parallel_size != 1:
-            raise UnsupportedFeatureError(
-                f"not supported yet: tensor_parallel_size={self.tensor_parallel_size} (only 1)"
-            )
-        if self.speculative_config:
-            raise UnsupportedFeatureError("not supported yet: speculative_config (speculative decoding)")
-        if self.quantization not in (None, "gguf"):
-            raise UnsupportedFeatureError(
-                f"not supported yet: quantization={self.quantization!r} (GGUF files are dequantized at load)"
-            )
-        if self.kv_cache_dtype != "auto":
-            raise UnsupportedFeatureError(
-                f"not supported yet: kv_cache_dtype={self.kv_cache_dtype!r} (the KV cache uses the model dtype)"
-            )
+        """Raise ValueError naming the field for bad values, UnsupportedFeatureError (the first entry of
+        ``unsupported.ENGINE_REFUSALS`` hit) for features not built yet."""
+        refused = engine_refusals(self.settings())
+        if refused:
+            raise UnsupportedFeatureError(refused[0].message(self.settings()))
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -115,6 +112,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or non-negative, got {self.max_logprobs}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -134,17 +133,16 @@ class EngineConfig:
         name = self.dtype
         if name == "auto":
             name = "bfloat16" if self.resolved_device() == "cuda" else "float32"
-        if name == "float16" and self.resolved_device() == "cpu":
-            raise UnsupportedFeatureError("not supported yet: dtype float16 on CPU (use float32 or bfloat16)")
+        refused = engine_refusals(self.settings(dtype=name, device=self.resolved_device()))
+        if refused:
+            raise UnsupportedFeatureError(refused[0].message(self.settings(dtype=name)))
         return getattr(torch, name)
 
     def resolved_model(self) -> str:
         return resolve_model(self.model)
 
     def resolved_served_name(self) -> str:
+        """served_model_name, else the ``model`` string as given (vLLM's default); None → "smollm2"."""
         if self.served_model_name:
             return self.served_model_name
-        if self.model is None or self.model.lower() in BUNDLED_MODEL_ALIASES:
-            return DEFAULT_SERVED_NAME
-        base = os.path.basename(os.path.normpath(self.model))
-        return base[:-5] if base.endswith(".gguf") else base
+        return self.model if self.model is not None else BUNDLED_MODEL_ALIASES[0]

@@ -90,7 +90,7 @@ def run_server_demo(model: str = "smollm2", question: str = QUESTION, max_tokens
         waited = wait_until_ready(proc, url)
         print(f"server ready: /health 200 after {waited:.1f}s", flush=True)
         client = openai.OpenAI(base_url=url + "/v1", api_key="demo", max_retries=0, timeout=120)
-        served = client.models.list().data[0].id
+        served = model  # vLLM's rule: the model is served under the --model string (the README's snippet)
         print(f"\nuser> {question}", flush=True)
         t1 = time.monotonic()
         reply = client.chat.completions.create(model=served, messages=[{"role": "user", "content": question}],

@@ -33,4 +33,13 @@ class EngineDeadError(KVFleetError, RuntimeError):
 
 
 class UnsupportedFeatureError(KVFleetError, ValueError):
-    """A configuration option names a feature that is not built yet ("not supported yet: ...")."""
+    """A configuration option or request field names a feature that is not built yet ("not supported yet: ...").
+
+    Attributes:
+        param: the request field that asked for it (HTTP 400's ``param``), or None for start-up options.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param

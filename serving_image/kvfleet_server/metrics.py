@@ -6,6 +6,12 @@ The engine thread feeds it: ``on_step`` after every engine step with that step's
 the fresh ``SchedulerStats`` and the step's ``RequestOutput``s; ``on_abort`` when a request is
 aborted before finishing. All times are seconds (``time.monotonic``); token counts are tokens.
 
+Prompt tokens have vLLM v1's meaning (vllm/v1/metrics/stats.py and loggers.py): ``vllm:prompt_tokens_total``
+counts each request's whole prompt once, when its first token is sampled, prefix-cache hits included;
+``vllm:prompt_tokens_cached_total`` counts the cached part of those prompts, and the histogram
+``vllm:request_prefill_kv_computed_tokens`` observes, per finished request, prompt tokens minus cached ones
+(the KV actually computed). The stats log line's "prompt throughput" is computed tokens, as vLLM's.
+
 It also keeps the counters of the periodic stats log line (vLLM's "Avg prompt throughput ... Prefix cache
 hit rate" line): ``maybe_log`` is called by the engine thread after each step and when idle, costs one
 clock comparison, and logs at most once per ``log_stats_interval_s`` while there has been activity.
@@ -123,6 +129,8 @@ class ServerMetrics:
 
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached",
+                                            "Number of cached prompt tokens (local + external).")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
                                             "Prefix cache queries, in terms of number of queried tokens.")
@@ -156,6 +164,9 @@ class ServerMetrics:
                                           token_buckets)
         self.request_generation_tokens = hist("vllm:request_generation_tokens",
                                               "Number of generation tokens processed.", token_buckets)
+        self.request_prefill_kv_computed = hist("vllm:request_prefill_kv_computed_tokens",
+                                                "Histogram of new KV tokens computed during prefill "
+                                                "(excluding cached tokens).", token_buckets)
         iter_buckets = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
         iter_buckets = [b for b in iter_buckets if b <= max(max_num_batched_tokens, 1)]
         self.iteration_tokens = hist("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
@@ -195,7 +206,7 @@ class ServerMetrics:
         self._rejections.labels(**self.labels, reason=reason).inc()
 
     def on_iteration(self, it: IterationStats) -> None:
-        self.prompt_tokens.inc(it.num_prompt_tokens)
+        """Account one engine step (prompt tokens are counted per request in ``on_output``, vLLM's meaning)."""
         self.generation_tokens.inc(it.num_generation_tokens)
         self.num_preemptions.inc(it.num_preemptions)
         self.prefix_cache_queries.inc(it.prefix_cache_queries)
@@ -246,6 +257,8 @@ class ServerMetrics:
             if t.first_token is None:
                 t.first_token = now
                 self.ttft.observe(now - t.arrival)
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.prompt_tokens_cached.inc(out.num_cached_tokens)
             elif t.last_token is not None:
                 self.itl.observe(now - t.last_token)
             t.last_token = now
@@ -255,6 +268,8 @@ class ServerMetrics:
             m = out.metrics
             self.e2e.observe(now - t.arrival)
             self.request_prompt_tokens.observe(len(out.prompt_token_ids))
+            if t.first_token is not None:
+                self.request_prefill_kv_computed.observe(len(out.prompt_token_ids) - max(out.num_cached_tokens, 0))
             num_gen = sum(len(c.token_ids) for c in out.outputs)
             self.request_generation_tokens.observe(num_gen)
             first_sched = getattr(m, "first_scheduled_time", None) if m is not None else None

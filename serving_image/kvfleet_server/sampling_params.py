@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
 
-MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -101,8 +100,8 @@ class SamplingParams:
             bad("min_tokens", f"must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not (0 <= v <= MAX_LOGPROBS):
-                bad(name, f"must be in [0, {MAX_LOGPROBS}], got {v}")
+            if v is not None and v < 0:  # the upper bound is the engine's max_logprobs (--max-logprobs)
+                bad(name, f"must be non-negative, got {v}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

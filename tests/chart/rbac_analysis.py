@@ -16,9 +16,12 @@ Requirements come from three sources:
    ``settings.posting.loggers = True`` (engines/posting.py; off by default in kopf 1.45).
 
 Call arguments are resolved statically: string constants, f-strings, attributes of the operator's
-own modules (``api.PLURAL``), and names bound by ``for``-loops or comprehensions over module-level
-constants (each iteration's values stay paired). A client call whose resource cannot be resolved
-is an ``AnalysisError``: the analysis never silently skips a call.
+own modules (``api.PLURAL``), names bound by ``for``-loops or comprehensions over module-level
+constants (each iteration's values stay paired), and a function's parameters through every call of
+that function in the module (a helper ``_read(client, av, plural)`` is resolved at its call sites).
+A client call whose resource cannot be resolved is an ``AnalysisError``, and so is a call that may
+be one: ``X.get/list/create/patch/delete(a, b, ...)`` on a receiver that is not known to be
+something else, whose first argument cannot be resolved. The analysis never silently skips a call.
 
 ``Requirement.scope`` is ``"cluster"`` for cluster-scoped resources and calls across all namespaces,
 ``"namespace"`` for calls inside one watched namespace (kopf's watch scope follows the run mode).
@@ -165,6 +168,48 @@ class _Resolver:
             return values
         return [] if name in params else None
 
+    def _call_sites(self, func: ast.AST) -> list[ast.Call]:
+        name = getattr(func, "name", None)
+        return [n for n in self.parents if isinstance(n, ast.Call)
+                and ((isinstance(n.func, ast.Name) and n.func.id == name)
+                     or (isinstance(n.func, ast.Attribute) and n.func.attr == name))]
+
+    def _call_site_envs(self, at: ast.AST, depth: int) -> list[dict[str, Any]]:
+        """One binding of the enclosing function's parameters per way it is called in this module:
+        each parameter bound to the argument of one call (evaluated where it is called), so values
+        passed together stay paired. [{}] when the function is never called here (parameters unknown)."""
+        func = self._function_of(at)
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or depth > self.MAX_DEPTH:
+            return [{}]
+        positional = [a.arg for a in [*func.args.posonlyargs, *func.args.args]]
+        if positional and positional[0] in ("self", "cls"):
+            positional = positional[1:]
+        defaults = dict(zip(reversed([a.arg for a in [*func.args.posonlyargs, *func.args.args]]),
+                            reversed(func.args.defaults)))
+        defaults.update({a.arg: d for a, d in zip(func.args.kwonlyargs, func.args.kw_defaults) if d is not None})
+        names = positional + [a.arg for a in func.args.kwonlyargs]
+        out: list[dict[str, Any]] = []
+        for call in self._call_sites(func):
+            if self._function_of(call) is func:
+                continue  # recursion adds no new values
+            starred = any(isinstance(a, ast.Starred) for a in call.args) or \
+                any(k.arg is None for k in call.keywords)
+            for env in self.environments(call, depth + 1):
+                per_name: list[list[Any]] = []
+                for name in names:
+                    arg = next((k.value for k in call.keywords if k.arg == name), None)
+                    if arg is None and not starred and name in positional and positional.index(name) < len(call.args):
+                        arg = call.args[positional.index(name)]
+                    if arg is None and not starred:
+                        arg = defaults.get(name)
+                    per_name.append([UNKNOWN] if arg is None else self.eval(arg, env, depth + 1))
+                out += [dict(zip(names, combo)) for combo in itertools.product(*per_name)]
+        return out or [{}]
+
+    def _parameter_values(self, name: str, at: ast.AST, depth: int) -> list[Any]:
+        """Values of parameter ``name`` over the calls of its function (UNKNOWN when never called)."""
+        return [env.get(name, UNKNOWN) for env in self._call_site_envs(at, depth)]
+
     # -- evaluation
     def eval(self, node: ast.AST, env: dict[str, Any], depth: int = 0) -> list[Any]:
         if depth > self.MAX_DEPTH:
@@ -177,7 +222,7 @@ class _Resolver:
                 return [env[node.id]]
             local = self._local_assignments(node.id, node)
             if local == []:
-                return [UNKNOWN]  # a parameter
+                return self._parameter_values(node.id, node, d)
             if local:
                 return [v for expr in local for v in self.eval(expr, self._bindings(expr, d), d)]
             if node.id in self.module_assignments:
@@ -241,7 +286,7 @@ class _Resolver:
             if isinstance(parent, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 break
             cur = parent
-        envs: list[dict[str, Any]] = [{}]
+        envs = self._call_site_envs(node, depth)  # the function's parameters, per call, outermost
         for generators in reversed(chain):  # outermost first
             for target, iterable in generators:
                 envs = [e2 for e in envs for e2 in self._iterate(target, iterable, e, depth)]
@@ -335,6 +380,17 @@ def _enclosing_function(node: ast.AST, resolver: _Resolver) -> ast.AST | None:
     return None
 
 
+def _may_be_client(receiver: ast.AST, at: ast.AST, resolver: _Resolver) -> bool:
+    """Whether a call's receiver could be the API client: it is not statically a plain value (a module
+    constant such as a dict, a literal, a str)."""
+    try:
+        values = resolver.values(receiver, at)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return True
+    return any(v is UNKNOWN or not isinstance(v, (dict, list, tuple, set, frozenset, str, bytes, int, float))
+               for v in values)
+
+
 def _client_call(call: ast.Call, resolver: _Resolver, where: str) -> list[Requirement]:
     func = call.func
     assert isinstance(func, ast.Attribute)
@@ -426,14 +482,18 @@ def analyze_source(source: str, module_name: str, package: str = "kvfleet_operat
             reqs += _client_call(node, resolver, where)
             continue
         # An unknown receiver (a dict's .get, an httpx client...) counts only if it is clearly an
-        # API call: its first argument is an API version.
-        if node.args:
+        # API call: its first argument is an API version. One whose first argument cannot be resolved
+        # may be an API call (a helper taking the client and the resource as parameters): an error.
+        if len(node.args) > 1:
             try:
                 first = resolver.values(node.args[0], node)
             except (KeyError, TypeError, ValueError, AttributeError):
-                continue
-            if all(isinstance(v, str) and API_VERSION_RE.match(v) for v in first) and len(node.args) > 1:
+                first = [UNKNOWN]
+            if all(isinstance(v, str) and API_VERSION_RE.match(v) for v in first):
                 reqs += _client_call(node, resolver, where)
+            elif any(v is UNKNOWN for v in first) and _may_be_client(func.value, node, resolver):
+                raise AnalysisError(f"{where}: cannot resolve {ast.unparse(node)}: it may be an API call "
+                                    f"(resolve its arguments or give the client a KubeClient annotation)")
     return reqs
 
 

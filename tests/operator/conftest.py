@@ -4,6 +4,9 @@
 ``kubeconfig`` KUBECONFIG pointing at it (the operator's login handler and ``kube.login`` read it).
 ``api``        a kvfleet_operator.kube.KubeClient talking to it (what tests use to act as kubectl), with a
                token of its own so that ``emulator.writes`` tells its writes from the operator's.
+``features_landed`` renders as if every feature of ``kvfleet_server.unsupported.ENGINE_REFUSALS`` had landed
+               (the list emptied), to test how those fields are rendered; that render refuses them today is
+               tests/operator/test_render_refusals.py's subject.
 """
 from __future__ import annotations
 
@@ -17,6 +20,13 @@ import pytest
 from kvfleet_operator import kube
 
 from kmock_support import ApiServerEmulator, register_resources, write_kubeconfig
+
+
+@pytest.fixture()
+def features_landed(monkeypatch):
+    from kvfleet_server import unsupported
+
+    monkeypatch.setattr(unsupported, "ENGINE_REFUSALS", ())
 
 
 @pytest.fixture()

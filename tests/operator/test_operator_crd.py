@@ -202,7 +202,11 @@ def _render_errors(obj) -> str:
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.name)
-def test_render_output_is_valid_kubernetes(path):
+def test_render_output_is_valid_kubernetes(path, monkeypatch):
+    if path.read_text().startswith("# Not runnable yet:"):  # refused today (test_operator_render checks it)
+        from kvfleet_server import unsupported
+
+        monkeypatch.setattr(unsupported, "ENGINE_REFUSALS", ())
     out = io.StringIO()
     with redirect_stdout(out):
         assert cli.main(["render", str(path)]) == 0

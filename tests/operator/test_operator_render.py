@@ -51,6 +51,7 @@ def test_defaults_for_omitted_fields():
     assert "dshm" not in volumes and "model-cache" in volumes
 
 
+@pytest.mark.usefixtures("features_landed")
 def test_every_engine_field_becomes_a_flag():
     spec = {**HF, "model": {**HF["model"], "name": "llama", "tokenizer": "/tok"},
             "engine": {"image": "img:1", "imagePullPolicy": "Always", "dtype": "bfloat16", "quantization": "fp8",
@@ -86,6 +87,7 @@ def test_every_engine_field_becomes_a_flag():
     assert box["lifecycle"]["preStop"]["sleep"]["seconds"] == render.PRESTOP_SLEEP_SECONDS
 
 
+@pytest.mark.usefixtures("features_landed")
 def test_eagle3_draft_model_is_downloaded_and_passed():
     spec = {**HF, "engine": {"speculative": {"method": "eagle3", "numSpeculativeTokens": 5,
                                              "draftModel": "hf://yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}}}
@@ -99,6 +101,7 @@ def test_eagle3_draft_model_is_downloaded_and_passed():
         ["yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "main", "/models/hf/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B/main"]]
 
 
+@pytest.mark.usefixtures("features_landed")
 def test_tp4_gets_four_gpus_and_shared_memory():
     c = render.render(isvc({**HF, "engine": {"tensorParallelSize": 4}}))
     box, pod = container(c), c.deployment["spec"]["template"]["spec"]
@@ -227,13 +230,22 @@ def test_invalid_spec_names_the_field():
 
 @pytest.mark.parametrize("sample", sorted((__import__("pathlib").Path(__file__).resolve().parents[2]
                                            / "crds" / "samples").glob("*.yaml")), ids=lambda p: p.name)
-def test_rendered_args_parse_with_kvfleet_server(sample):
-    """Contract with the serving image: every rendered flag is one kvfleet-server's parser accepts."""
+def test_rendered_args_parse_with_kvfleet_server(sample, monkeypatch):
+    """Contract with the serving image: every rendered flag is one kvfleet-server's parser accepts. A sample
+    marked "# Not runnable yet:" is refused by render today (Degraded UnsupportedFeature), and its flags
+    parse once the features land."""
     import yaml
 
+    from kvfleet_server import unsupported
     from kvfleet_server.cli import build_parser
 
     obj = yaml.safe_load(sample.read_text())
+    marked = sample.read_text().startswith("# Not runnable yet:")
+    if marked:
+        with pytest.raises(render.Unrealisable) as err:
+            render.render(obj)
+        assert err.value.reason == "UnsupportedFeature" and "not supported yet" in err.value.message
+        monkeypatch.setattr(unsupported, "ENGINE_REFUSALS", ())
     box = container(render.render(obj))
     assert box["command"] == ["kvfleet-server"]
     args = build_parser().parse_args(box["args"])
@@ -266,6 +278,7 @@ def test_service_port_and_type_reach_server_probes_and_service():
     assert c.deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9001"
 
 
+@pytest.mark.usefixtures("features_landed")
 @pytest.mark.parametrize("tp,shm", [(1, False), (2, True), (8, True)])
 def test_shared_memory_from_tp_2_and_gpus_default_to_tp(tp, shm):
     c = render.render(isvc({**HF, "engine": {"tensorParallelSize": tp}}))
@@ -286,6 +299,7 @@ def test_hf_revision_and_pvc_without_path():
     assert flag(container(c)["args"], "--served-model-name") == "weights"
 
 
+@pytest.mark.usefixtures("features_landed")
 def test_long_pvc_claims_get_distinct_valid_volume_names():
     a, b = "c" * 70 + "-model", "c" * 70 + "-draft"
     c = render.render(isvc({"model": {"uri": f"pvc://{a}/m"},
@@ -297,6 +311,7 @@ def test_long_pvc_claims_get_distinct_valid_volume_names():
     assert {v["name"] for v in vols} <= mounts
 
 
+@pytest.mark.usefixtures("features_landed")
 def test_every_rendered_flag_is_protected_from_extra_args():
     """extraArgs may not override what a spec field renders (the last flag would win: --port would move
     the server away from its probes and Service)."""

@@ -137,13 +137,14 @@ class InProcessServer:
 GAUGES = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
           "vllm:gpu_cache_usage_perc", "kvfleet:kv_cache_blocks_total", "kvfleet:kv_cache_blocks_free",
           "vllm:cache_config_info"]
-COUNTERS = ["vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success",
+COUNTERS = ["vllm:num_preemptions", "vllm:prompt_tokens", "vllm:prompt_tokens_cached", "vllm:generation_tokens", "vllm:request_success",
             "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:admission_rejections"]
 HISTOGRAMS = ["vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
               "vllm:request_time_per_output_token_seconds", "vllm:time_per_output_token_seconds",
               "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
               "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds", "vllm:request_prompt_tokens",
-              "vllm:request_generation_tokens", "vllm:iteration_tokens_total"]
+              "vllm:request_generation_tokens", "vllm:iteration_tokens_total",
+              "vllm:request_prefill_kv_computed_tokens"]
 
 
 def check_exposition(text: str, model_name: str) -> None:

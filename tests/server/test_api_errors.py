@@ -23,6 +23,7 @@ def _err(r, status):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["code"], str) and err["code"], err  # one shape: code is always a string
     return err
 
 
@@ -143,6 +144,7 @@ def test_completion_features_not_built_are_refused(client, extra):
     # vLLM users send these; silently ignoring them would return unconstrained output as if they had applied
     err = _err(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, **extra}), 400)
     assert "not supported yet" in err["message"] and next(iter(extra)) in err["message"]
+    assert err["param"] == next(iter(extra)) and err["code"] == "unsupported_parameter"
 
 
 def test_unbuilt_fields_at_their_defaults_are_accepted(client):

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from kvfleet_server.cli import build_parser, engine_config
+from kvfleet_server.errors import UnsupportedFeatureError
 
 VLLM_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--dtype", "--device", "--block-size",
               "--gpu-memory-utilization", "--kv-cache-memory-bytes", "--max-model-len", "--max-num-seqs",
@@ -57,6 +58,9 @@ def test_bad_values_name_the_flag():
     out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--speculative-config", "{bad"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--speculative-config" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--swap-space", "4"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unrecognized arguments: --swap-space" in out.stderr
     out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--max-num-seqs", "0"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--max-num-seqs" in out.stderr
@@ -82,3 +86,100 @@ def test_engine_threads_leave_a_cpu_to_the_http_side(monkeypatch):
     assert engine_config(build_parser().parse_args([])).num_threads == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert engine_config(build_parser().parse_args([])).num_threads is None  # torch reads OMP_NUM_THREADS itself
+
+
+# ------------------------------------------------------------------ real vLLM command lines
+
+# Command lines as vLLM users write them (vLLM's docs: quickstart, OpenAI-compatible server, engine args,
+# production-stack/KServe-style deployments). None: kvfleet-server accepts it with vLLM's meaning;
+# a string: kvfleet refuses it, and the error names that flag.
+VLLM_COMMAND_LINES = [
+    ("meta-llama/Llama-3.1-8B-Instruct", None),  # `vllm serve MODEL`
+    ("--model /models/llama --gpu-memory-utilization 0.9 --enable-prefix-caching --max-num-seqs 256 "
+     "--max-num-batched-tokens 8192 --max-model-len 8192 --port 8000 --served-model-name llama", None),
+    ("/models/llama --host 0.0.0.0 --port 8000 --dtype bfloat16 --seed 42 --api-key sk-test --uvicorn-log-level info",
+     None),
+    ("--model /models/llama --chat-template /tmp/template.jinja --trust-remote-code --disable-log-requests "
+     "--max-logprobs 50 --root-path /llm --allowed-origins '[\"https://chat.example\"]'", None),
+    ("--model /models/llama --enforce-eager --enable-chunked-prefill --disable-log-stats --generation-config vllm "
+     "--served-model-name llama llama-3.1 --block-size 16 --no-enable-prefix-caching", None),
+    ("--model /models/llama --max-num-seqs 512 --max-queue-len 100 --shutdown-timeout 60 -q gguf", None),
+    ("--model /models/llama-70b --tensor-parallel-size 4 --gpu-memory-utilization 0.95", "--tensor-parallel-size"),
+    ("--model /models/llama-70b -tp 2", "--tensor-parallel-size"),
+    ("--model /models/llama --pipeline-parallel-size 2", "--pipeline-parallel-size"),
+    ("--model /models/llama-70b --quantization fp8 --max-model-len 32768", "--quantization"),
+    ("--model /models/llama --kv-cache-dtype fp8", "--kv-cache-dtype"),
+    ("--model /models/llama --speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":5,"
+     "\"prompt_lookup_max\":4}'", "--speculative-config"),
+    ("--model /models/llama --revision 0e9e39f249a16976918f6564b8830bc894c89659", "--revision"),
+    ("--model /models/llama --download-dir /data/hf", "--download-dir"),
+    ("--model /models/llama --generation-config auto", "--generation-config"),
+    ("--model /models/llama --no-enable-chunked-prefill", "--no-enable-chunked-prefill"),
+    ("--model /models/llama --enable-lora", "--enable-lora"),
+    ("--model /models/llama --dtype float16 --device cpu", "--dtype"),
+    ("--model /models/llama --swap-space 16", "--swap-space"),
+    ("--model /models/llama --lora-modules sql=/adapters/sql", "--lora-modules"),
+    ("--model a --max-num-seqs 0", "--max-num-seqs"),
+    ("--model a --speculative-config {bad", "--speculative-config"),
+]
+
+
+@pytest.mark.parametrize("line, refused", VLLM_COMMAND_LINES, ids=[c[0][:60] for c in VLLM_COMMAND_LINES])
+def test_real_vllm_command_lines_are_accepted_or_refused_by_name(line, refused, tmp_path):
+    import shlex
+
+    from kvfleet_server.cli import FlagError, parse_flags
+
+    argv = shlex.split(line.replace("/tmp/template.jinja", str(tmp_path / "t.jinja")))
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    if refused is None:
+        args = parse_flags(argv)
+        assert args.model not in (None, "")
+        return
+    with pytest.raises((FlagError, UnsupportedFeatureError, ValueError)) as e:
+        parse_flags(argv)
+    assert refused in str(e.value) or refused.lstrip("-").replace("-", "_") in str(e.value), str(e.value)
+
+
+def test_accepted_vllm_flags_keep_vllms_meaning(tmp_path):
+    from kvfleet_server.cli import parse_flags, read_chat_template
+
+    a = parse_flags(["/models/x", "--served-model-name", "a", "b", "--max-logprobs", "50", "--root-path", "/llm",
+                     "--allowed-origins", '["https://chat.example"]'])
+    assert a.model == "/models/x" and a.served_model_name == ["a", "b"]
+    cfg = engine_config(a)
+    assert cfg.max_logprobs == 50 and cfg.served_model_name == "a"
+    assert (a.root_path, a.allowed_origins) == ("/llm", ["https://chat.example"])
+    assert parse_flags([]).model == "smollm2" and engine_config(parse_flags([])).resolved_served_name() == "smollm2"
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content }}!")
+    assert read_chat_template(str(f)) == "{{ messages[0].content }}!"
+    assert read_chat_template("{{ x }}") == "{{ x }}"
+    with pytest.raises(ValueError, match="--chat-template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="give the model once"):
+        parse_flags(["/a", "--model", "/b"])
+
+
+def test_help_shows_the_real_defaults():
+    out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--help"], capture_output=True, text=True,
+                         timeout=60, env={"COLUMNS": "400", **__import__("os").environ})
+    text = " ".join(out.stdout.split())
+    assert "(default: None)" not in text
+    assert "--max-num-seqs MAX_NUM_SEQS most sequences in one batch (running requests) (default: 256)" in text
+    assert "(default: 2048, raised to --max-num-seqs when that is larger)" in text
+    assert "--block-size BLOCK_SIZE tokens per KV-cache block (default: 16)" in text
+    assert "--max-logprobs MAX_LOGPROBS" in text and "(default: 20)" in text
+    for action in build_parser()._actions:
+        if action.help:
+            assert action.help.count("(default") <= 1, action.option_strings
+    for chunk in text.split(" -")[1:]:
+        assert chunk.count("(default") <= 1, chunk
+
+
+def test_api_key_help_names_exactly_the_open_endpoints():
+    from kvfleet_server.api.app import OPEN_PATHS
+    from kvfleet_server.cli import API_KEY_HELP
+
+    named = {w.strip(",();") for w in API_KEY_HELP.split() if w.startswith("/")}
+    assert named - {"/v1", "/tokenize", "/detokenize"} == set(OPEN_PATHS)

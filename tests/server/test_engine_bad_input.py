@@ -23,8 +23,8 @@ def eng(tiny_engine_factory):
     (dict(temperature=-0.5), "temperature", "non-negative, got -0.5"),
     (dict(top_p=0.0), "top_p", "(0, 1], got 0.0"),
     (dict(top_p=1.5), "top_p", "(0, 1], got 1.5"),
-    (dict(logprobs=21), "logprobs", "[0, 20], got 21"),
-    (dict(prompt_logprobs=-1), "prompt_logprobs", "[0, 20], got -1"),
+    (dict(logprobs=-1), "logprobs", "non-negative, got -1"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs", "non-negative, got -1"),
     (dict(n=0), "n", "at least 1"),
     (dict(top_k=-3), "top_k", "got -3"),
     (dict(stop=[""]), "stop", "non-empty"),
@@ -33,6 +33,17 @@ def test_bad_sampling_params(kwargs, param, text):
     with pytest.raises(InvalidRequestError) as e:
         SamplingParams(**kwargs)
     assert e.value.param == param and text in str(e.value) and param in str(e.value)
+
+
+def test_logprobs_above_max_logprobs_are_refused(eng, tiny_engine_factory):
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(InvalidRequestError, match=r"\[0, 20\] \(max_logprobs\), got 21") as e:
+            eng.add_request(f"lp-{name}", [5, 6], SamplingParams(max_tokens=1, **{name: 21}))
+        assert e.value.param == name
+    wide = tiny_engine_factory(max_logprobs=30)
+    wide.add_request("lp30", [5, 6], SamplingParams(max_tokens=1, logprobs=30, temperature=0))
+    out = run_to_completion(wide)
+    assert len(out["lp30"].outputs[0].logprobs[0]) >= 30
 
 
 def test_bad_requests_rejected_while_others_run(eng):
@@ -76,13 +87,15 @@ def test_max_tokens_none_fills_to_max_model_len(eng):
 
 
 @pytest.mark.parametrize("kwargs, text", [
-    (dict(tensor_parallel_size=2), "not supported yet: tensor_parallel_size=2"),
-    (dict(speculative_config={"method": "ngram"}), "not supported yet: speculative_config"),
-    (dict(quantization="awq"), "not supported yet: quantization='awq'"),
-    (dict(kv_cache_dtype="fp8"), "not supported yet: kv_cache_dtype='fp8'"),
+    (dict(tensor_parallel_size=2), "not supported yet: --tensor-parallel-size 2"),
+    (dict(speculative_config={"method": "ngram"}), "not supported yet: --speculative-config"),
+    (dict(quantization="awq"), "not supported yet: --quantization awq"),
+    (dict(kv_cache_dtype="fp8"), "not supported yet: --kv-cache-dtype fp8"),
+    (dict(dtype="float16", device="cpu"), "not supported yet: --dtype float16"),
 ])
 def test_unsupported_features_refused(kwargs, text):
-    with pytest.raises(UnsupportedFeatureError, match=text.replace("(", r"\(").replace("[", r"\[")):
+    # the Python API refuses what the command line refuses (the same list, kvfleet_server.unsupported)
+    with pytest.raises(UnsupportedFeatureError, match=text):
         EngineConfig(**kwargs)
 
 

@@ -17,9 +17,11 @@ def test_bundled_model_aliases():
     assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
     assert resolve_model("smollm2") == resolve_model("SmolLM2") == path
     assert resolve_model("/some/dir") == "/some/dir"
-    assert EngineConfig().resolved_served_name() == "SmolLM2-135M-Instruct"
-    assert EngineConfig(model="/models/llama-3").resolved_served_name() == "llama-3"
-    assert EngineConfig(model="/m/tiny.gguf").resolved_served_name() == "tiny"
+    # vLLM's rule: the served name is the --model string as given
+    assert EngineConfig().resolved_served_name() == "smollm2"
+    assert EngineConfig(model="smollm2").resolved_served_name() == "smollm2"
+    assert EngineConfig(model="/models/llama-3").resolved_served_name() == "/models/llama-3"
+    assert EngineConfig(model="/m/tiny.gguf").resolved_served_name() == "/m/tiny.gguf"
     assert EngineConfig(served_model_name="x").resolved_served_name() == "x"
 
 
@@ -28,7 +30,10 @@ def test_dtype_defaults_on_cpu():
     assert cfg.resolved_device() == "cpu" and cfg.resolved_dtype() == torch.float32
     assert EngineConfig(device="cpu", dtype="bfloat16").resolved_dtype() == torch.bfloat16
     with pytest.raises(UnsupportedFeatureError, match="float16 on CPU"):
-        EngineConfig(device="cpu", dtype="float16").resolved_dtype()
+        EngineConfig(device="cpu", dtype="float16")  # refused at validation, before the server binds its port
+    if not torch.cuda.is_available():
+        with pytest.raises(UnsupportedFeatureError, match="float16 on CPU"):
+            EngineConfig(device="auto", dtype="float16").resolved_dtype()  # auto resolved to cpu
 
 
 def test_bfloat16_engine_runs(tiny_engine_factory):

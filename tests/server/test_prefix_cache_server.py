@@ -214,3 +214,40 @@ def test_compare_table_ratios():
     table = fmt([run(True, 100.0, 3.0), run(False, 1000.0, 1.0)])
     assert "| 1 | on | 100 | 3.00 | 300 | 50 / 100 | 50.0% | 60.0% |" in table
     assert "| 1 | on/off | 10.0% | 3.00x | 3.00x |" in table
+
+
+# ------------------------------------------------------------------------------ vLLM's meaning of the counters
+
+# What vLLM v1 (vllm/v1/metrics/loggers.py, stats.py) exposes after the same request sequence: two completions
+# of one 49-token prompt (block size 16) and a third of a different 20-token prompt, 3 tokens each. vLLM counts
+# every prompt whole in vllm:prompt_tokens_total (at its first token), the cached part in
+# vllm:prompt_tokens_cached_total, and observes prompt - cached per finished request in
+# vllm:request_prefill_kv_computed_tokens. A full hit stops at the last full block before the last prompt token
+# (48 of 49: the last token is always computed).
+VLLM_SCRAPE_DELTAS = {
+    "vllm:prompt_tokens_total{}": 49 + 49 + 20,
+    "vllm:prompt_tokens_cached_total{}": 48,
+    "vllm:request_prefill_kv_computed_tokens_sum{}": 49 + 1 + 20,
+    "vllm:request_prefill_kv_computed_tokens_count{}": 3,
+    "vllm:request_prompt_tokens_sum{}": 118,
+    "vllm:request_prompt_tokens_count{}": 3,
+    "vllm:prefix_cache_queries_total{}": 118,
+    "vllm:prefix_cache_hits_total{}": 48,
+    "vllm:generation_tokens_total{}": 9,
+    "vllm:request_success_total{finished_reason=length}": 3,
+    "vllm:request_generation_tokens_sum{}": 9,
+    "vllm:time_to_first_token_seconds_count{}": 3,
+    "vllm:e2e_request_latency_seconds_count{}": 3,
+}
+
+
+def test_prompt_token_counters_have_vllms_meaning_with_prefix_cache_hits(server):
+    before = _idle_metrics(server.url)
+    shared = [1000 + i for i in range(49)]
+    for prompt in (shared, shared, [3000 + i for i in range(20)]):
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 3,
+                                                             "ignore_eos": True, "temperature": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+    after = _idle_metrics(server.url)
+    deltas = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in VLLM_SCRAPE_DELTAS}
+    assert deltas == VLLM_SCRAPE_DELTAS

@@ -14,7 +14,7 @@ def test_demo_serves_one_chat_answer_and_stops_cleanly():
     assert out.returncode == 0, out.stdout + out.stderr
     assert "--host 127.0.0.1" in out.stdout
     assert "/health 200" in out.stdout
-    answer = [line for line in out.stdout.splitlines() if line.startswith("SmolLM2-135M-Instruct> ")]
+    answer = [line for line in out.stdout.splitlines() if line.startswith("smollm2> ")]
     assert answer and "Paris" in answer[0]
     assert "exit status 0" in out.stdout
     assert "draining" in out.stderr  # the server's log: SIGTERM went through the graceful drain

@@ -12,6 +12,7 @@ import secrets
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from .drain import InflightMiddleware
 from .errors import error_body, install_error_handlers
@@ -70,6 +71,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_middleware(InflightMiddleware, drain=state.drain)
     if state.settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.settings.api_key)
+    if state.settings.cors is not None:  # outermost: preflights are answered before the key check
+        app.add_middleware(CORSMiddleware, **state.settings.cors)
     return app
 
 

@@ -10,24 +10,29 @@ from __future__ import annotations
 from ..errors import InvalidRequestError, UnsupportedFeatureError
 from ..outputs import Logprob, PositionLogprobs
 from ..sampling_params import SamplingParams
+from ..unsupported import CHAT, COMPLETIONS, request_refusals
 from .protocol import (ChatCompletionRequest, ChatMessage, ChatTokenLogprob, CompletionLogProbs,
-                       CompletionRequest, PromptLogprob, TopLogprob, UNBUILT_FIELDS)
+                       CompletionRequest, PromptLogprob, TopLogprob)
 
 MIN_TEMPERATURE = 1e-2  # below this (and above 0), sampling is numerically unstable: clamp like vLLM
 
 
-def _refuse_unbuilt(req, names) -> None:
-    """UnsupportedFeatureError for a field that is set to anything but its default (None/False/empty)."""
-    for name in names:
-        value = getattr(req, name, None)
-        if value is not None and value is not False and value != [] and value != {} and value != "":
-            raise UnsupportedFeatureError(f"not supported yet: {name}")
+def refuse_unbuilt(req, endpoint: str) -> None:
+    """UnsupportedFeatureError (param = the field) for the first field the request sent that hits
+    ``unsupported.REQUEST_REFUSALS``."""
+    refused = request_refusals(endpoint, {name: getattr(req, name) for name in req.model_fields_set})
+    if refused:
+        raise UnsupportedFeatureError(refused[0].message(), param=refused[0].field)
+
+
+def check_logprobs(value: int | None, param: str, max_logprobs: int) -> None:
+    """InvalidRequestError when more log-probabilities than ``--max-logprobs`` (-1: no limit) are asked for."""
+    if value is not None and max_logprobs >= 0 and value > max_logprobs:
+        raise InvalidRequestError(f"{param} must be at most {max_logprobs} (the server's --max-logprobs), got {value}",
+                                  param=param)
 
 
 def _common(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-    if req.logit_bias:
-        raise UnsupportedFeatureError("not supported yet: logit_bias")
-    _refuse_unbuilt(req, UNBUILT_FIELDS)
     temperature = 1.0 if req.temperature is None else req.temperature
     if 0.0 < temperature < MIN_TEMPERATURE:
         temperature = MIN_TEMPERATURE
@@ -53,32 +58,28 @@ def _common(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: 
     )
 
 
-def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
+def completion_sampling_params(req: CompletionRequest, max_logprobs: int = 20) -> SamplingParams:
     """SamplingParams for /v1/completions; ``echo`` with ``logprobs`` also asks for prompt logprobs."""
-    if req.suffix:
-        raise UnsupportedFeatureError("not supported yet: suffix")
+    refuse_unbuilt(req, COMPLETIONS)
+    check_logprobs(req.logprobs, "logprobs", max_logprobs)
+    check_logprobs(req.prompt_logprobs, "prompt_logprobs", max_logprobs)
     if req.best_of is not None and req.best_of != req.n:
-        raise UnsupportedFeatureError(f"not supported yet: best_of different from n (best_of={req.best_of}, n={req.n})")
+        raise UnsupportedFeatureError(f"not supported yet: best_of different from n (best_of={req.best_of}, n={req.n})",
+                                      param="best_of")
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_logprobs = req.logprobs if prompt_logprobs is None else max(prompt_logprobs, req.logprobs)
     return _common(req, req.max_tokens, req.logprobs, prompt_logprobs)
 
 
-def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling_params(req: ChatCompletionRequest, max_logprobs: int = 20) -> SamplingParams:
     """SamplingParams for /v1/chat/completions (``logprobs: true`` alone means the chosen token only)."""
-    if req.tools:
-        raise UnsupportedFeatureError("not supported yet: tools (function calling)")
-    _refuse_unbuilt(req, ("echo", "prompt_logprobs"))
-    if req.tool_choice not in (None, "none", "auto"):
-        raise UnsupportedFeatureError("not supported yet: tool_choice")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise UnsupportedFeatureError(f"not supported yet: response_format {req.response_format.get('type')!r} "
-                                      "(structured output)")
+    refuse_unbuilt(req, CHAT)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-    if req.top_logprobs is not None and not (0 <= req.top_logprobs <= 20):
-        raise InvalidRequestError(f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
+    if req.top_logprobs is not None and req.top_logprobs < 0:
+        raise InvalidRequestError(f"top_logprobs must be non-negative, got {req.top_logprobs}", param="top_logprobs")
+    check_logprobs(req.top_logprobs, "top_logprobs", max_logprobs)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     if max_tokens is not None and max_tokens < 1:

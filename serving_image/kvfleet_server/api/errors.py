@@ -29,6 +29,18 @@ _TYPES = {
     500: "internal_server_error",
     503: "service_unavailable",
 }
+# ``code`` is always a string (OpenAI's machine-readable codes); a more specific one is passed where known
+_CODES = {
+    400: "invalid_value",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    429: "rate_limit_exceeded",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+UNSUPPORTED_CODE = "unsupported_parameter"
 
 
 class APIError(Exception):
@@ -38,17 +50,17 @@ class APIError(Exception):
         status: HTTP status code.
         message: human-readable message naming the field and the limit.
         param: the offending request field, if any.
-        code: machine-readable code (e.g. ``"model_not_found"``); defaults to the status.
+        code: machine-readable code (e.g. ``"model_not_found"``); defaults to the status's code in ``_CODES``.
         headers: extra response headers (``Retry-After`` for 429/503).
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | int | None = None,
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.code = code if code is not None else status
+        self.code = code
         self.headers = headers
 
 
@@ -57,14 +69,14 @@ def _encodable(text: str | None) -> str | None:
     return None if text is None else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
-    if isinstance(code, str):
-        code = _encodable(code)
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object; ``code`` defaults to the status's string code."""
+    code = code if code is not None else _CODES.get(status, "invalid_value" if status < 500 else "internal_error")
     return {"error": {"message": _encodable(message), "type": _TYPES.get(status, "invalid_request_error"),
-                      "param": _encodable(param), "code": code if code is not None else status}}
+                      "param": _encodable(param), "code": _encodable(str(code))}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None,
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
@@ -114,7 +126,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(UnsupportedFeatureError)
     async def _unsupported(request: Request, exc: UnsupportedFeatureError):
-        return error_response(400, str(exc))
+        return error_response(400, exc.message, exc.param, UNSUPPORTED_CODE)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):

@@ -55,7 +55,8 @@ class _SamplingFields(_Request):
     user: str | None = None
     cache_salt: str | None = Field(None, description="isolates this request's prefix-cache entries")
     logit_bias: dict[str, float] | None = None
-    # vLLM fields not built yet: declared so that a request setting one is refused, never silently ignored
+    # vLLM fields not built yet: declared so that a request setting one is refused (unsupported.REQUEST_REFUSALS),
+    # never silently ignored
     guided_json: object | None = Field(None, description="refused: not supported yet")
     guided_regex: object | None = Field(None, description="refused: not supported yet")
     guided_choice: object | None = Field(None, description="refused: not supported yet")
@@ -67,11 +68,6 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: object | None = Field(None, description="refused: not supported yet")
     use_beam_search: object | None = Field(None, description="refused: not supported yet")
     return_tokens_as_token_ids: object | None = Field(None, description="refused: not supported yet")
-
-
-UNBUILT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                  "bad_words", "allowed_token_ids", "logits_processors", "truncate_prompt_tokens",
-                  "use_beam_search", "return_tokens_as_token_ids")
 
 
 class CompletionRequest(_SamplingFields):

@@ -12,7 +12,7 @@ import dataclasses
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..errors import EngineDeadError, InvalidRequestError, UnsupportedFeatureError
+from ..errors import EngineDeadError, InvalidRequestError
 from ..outputs import RequestOutput
 from .async_engine import RequestAborted
 from .convert import (chat_logprobs, chat_messages, chat_sampling_params, check_text, check_token_ids,
@@ -86,7 +86,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         _check_prompt(state, p)
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
-    params = completion_sampling_params(body)
+    params = completion_sampling_params(body, state.settings.max_logprobs)
     rid, streams = await _submit(state, prompts, params, body.cache_salt, "cmpl", body.add_special_tokens)
     tok = state.llm.tokenizer
     prompt_texts = [p if isinstance(p, str) else None for p in prompts]
@@ -213,15 +213,13 @@ def _concat(a, b):
 
 
 def render_chat(state, body) -> str:
-    """Apply the model's chat template (InvalidRequestError with the template's message on a bad layout)."""
-    if getattr(body, "continue_final_message", False):
-        raise UnsupportedFeatureError("not supported yet: continue_final_message")
-    if getattr(body, "chat_template_kwargs", None):
-        raise UnsupportedFeatureError("not supported yet: chat_template_kwargs")
+    """Apply the chat template (--chat-template, else the model's; InvalidRequestError with the template's
+    message on a bad layout)."""
     messages = chat_messages(body.messages)
+    custom = {"chat_template": state.settings.chat_template} if state.settings.chat_template else {}
     try:
         return state.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                       tokenize=False)
+                                                       tokenize=False, **custom)
     except InvalidRequestError:
         raise
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and friends: the template refused the layout
@@ -236,10 +234,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state.require_engine()
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
-    params = chat_sampling_params(body)
+    params = chat_sampling_params(body, state.settings.max_logprobs)
     prompt = render_chat(state, body)
     # the chat template already wrote the special tokens (as vLLM: add_special_tokens=False for chat)
-    rid, streams = await _submit(state, [prompt], params, body.cache_salt, "chatcmpl", False)
+    try:
+        rid, streams = await _submit(state, [prompt], params, body.cache_salt, "chatcmpl", False)
+    except InvalidRequestError as exc:  # the engine says max_tokens: name the field the request sent
+        if exc.param == "max_tokens" and body.max_completion_tokens is not None:
+            raise InvalidRequestError(exc.message.replace("max_tokens", "max_completion_tokens"),
+                                      param="max_completion_tokens") from None
+        raise
     k = (body.top_logprobs or 0) if body.logprobs else None
     model = state.model_name
     created = now()

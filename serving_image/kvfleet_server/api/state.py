@@ -29,6 +29,9 @@ class ServerSettings:
         max_model_len / max_num_batched_tokens: only size the token histograms before the engine is loaded.
         retry_after_s: value of the Retry-After header on 429/503.
         root: what /v1/models reports as each model's ``root`` (the --model value).
+        max_logprobs: most log-probabilities per token a request may ask for (-1: no limit).
+        chat_template: Jinja chat template replacing the tokenizer's (--chat-template), or None.
+        cors: keyword arguments of starlette's CORSMiddleware (--allowed-origins etc.), or None for no CORS.
     """
 
     served_model_names: list[str]
@@ -39,6 +42,9 @@ class ServerSettings:
     max_num_batched_tokens: int = 2048
     retry_after_s: int = 1
     root: str | None = None
+    max_logprobs: int = 20
+    chat_template: str | None = None
+    cors: dict | None = None
 
 
 class ServerState:

@@ -166,6 +166,11 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         params.validate()
+        limit = self.config.max_logprobs if self.config.max_logprobs >= 0 else self.model_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > limit:
+                raise InvalidRequestError(f"{name} must be in [0, {limit}] (max_logprobs), got {getattr(params, name)}",
+                                          param=name)
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)

@@ -76,12 +76,12 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False,
                             **kwargs):
-        """Render ``messages`` with the model's chat template (jinja2).
+        """Render ``messages`` with the model's chat template (jinja2), or ``chat_template=`` when given.
 
         Raises InvalidRequestError (param "messages") when the model has no template or the template
         itself raises (e.g. a role it does not support), with the template's own message.
         """
-        if not self.chat_template:
+        if not (kwargs.get("chat_template") or self.chat_template):
             raise InvalidRequestError("this model has no chat template; use the completions API", param="messages")
         try:
             return self.hf.apply_chat_template(
