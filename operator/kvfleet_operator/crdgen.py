@@ -161,8 +161,13 @@ PRINTER_COLUMNS = [
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas", "description": "Pods."},
     {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status",
      "description": "Ready condition."},
+    {"name": "Reason", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Degraded\")].reason",
+     "description": "Degraded reason: ReconcileSucceeded, or why the spec or the pods fail (CrashLoopBackOff, ...)."},
     {"name": "URL", "type": "string", "jsonPath": ".status.url", "description": "OpenAI base URL in the cluster."},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Message", "type": "string", "priority": 1,
+     "jsonPath": ".status.conditions[?(@.type==\"Degraded\")].message",
+     "description": "Degraded message (kubectl get -o wide): e.g. the server's last error line."},
 ]
 
 

@@ -2,7 +2,8 @@
 
 Triggers: an InferenceService is created, its spec/metadata changes, or the operator (re)starts
 (resume); an owned Deployment/Service/PodDisruptionBudget changes or is deleted (the event names
-its controller InferenceService, which is then reconciled). One pass (``reconcile``):
+its controller InferenceService, which is then reconciled); a serving pod starts or stops failing
+(its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``). One pass (``reconcile``):
 
 1. parse and render the spec (pure); a spec that cannot be realised -> status Degraded=True with
    reason and message, no child touched, ``kopf.PermanentError`` (no retry until the spec changes);
@@ -13,7 +14,9 @@ its controller InferenceService, which is then reconciled). One pass (``reconcil
 3. create or three-way merge-patch each child (``apply``), delete the PDB when no longer wanted; a
    child the API server refuses as invalid (422, e.g. a malformed affinity or toleration) is
    Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec;
-4. write the status subresource only when it changed.
+4. list the serving pods: one that crash-loops, was OOM-killed, cannot pull its image or cannot be
+   scheduled makes Degraded=True with the reason and the container's termination message;
+5. write the status subresource only when it changed.
 
 API errors raise ``kopf.TemporaryError`` with exponential backoff (1, 2, 4 … 60 s). The
 InferenceService's spec and user metadata are never written; kopf's own state lives in
@@ -29,7 +32,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, kube, metrics, peering, render
+from . import api, apply, kube, metrics, peering, pods, render
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -51,7 +54,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.reporting_component = "kvfleet-operator"
     # watch only the operator's own children (server-side filter; big clusters have many Deployments)
     managed = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())
-    for selector in (("apps", "v1", "deployments"), ("v1", "services"), ("policy", "v1", "poddisruptionbudgets")):
+    for selector in (("apps", "v1", "deployments"), ("v1", "services"), ("policy", "v1", "poddisruptionbudgets"),
+                     ("v1", "pods")):
         settings.watching.label_selectors[selector] = managed
 
 
@@ -169,10 +173,14 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             metrics.CHILD_WRITES.labels(kind=kind, action=action).inc()
         if kind == "deployment" and body is not None:
             template_written = action == "create" or "template" in (body.get("spec") or {})
+    selector = render.selector_string(name)
+    serving_pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector)
+                    if all((p.get("metadata", {}).get("labels") or {}).get(k) == v
+                           for k, v in render.selector_labels(name).items())]
     new = st.compute_status(obj, result["deployment"], replicas,
                             render.service_url(name, namespace, spec.service.port), spec.served_model_name,
-                            render.selector_string(name), st.now_rfc3339(), spec.autoscaling.enabled,
-                            template_written)
+                            selector, st.now_rfc3339(), spec.autoscaling.enabled,
+                            template_written, pods.pod_problem(serving_pods))
     return await _write_status(client, obj, new)
 
 
@@ -232,8 +240,9 @@ def _owner_name(body: kopf.Body) -> str | None:
     return None
 
 
-async def _child_event(body: kopf.Body, logger: logging.Logger) -> None:
-    owner = _owner_name(body)
+async def _child_event(body: kopf.Body, logger: logging.Logger, owner: str | None = None,
+                       only_if_pods_matter: bool = False) -> None:
+    owner = owner or _owner_name(body)
     namespace = body.get("metadata", {}).get("namespace")
     if owner is None:
         return
@@ -243,6 +252,8 @@ async def _child_event(body: kopf.Body, logger: logging.Logger) -> None:
             obj = await client.get(api.API_VERSION, api.PLURAL, namespace, owner)
             if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
                 return  # the owner is going away; the garbage collector removes the children
+            if only_if_pods_matter and not _pods_matter(body, obj):
+                return
             await reconcile(obj, logger)
             return
         except Degraded:
@@ -254,6 +265,23 @@ async def _child_event(body: kopf.Body, logger: logging.Logger) -> None:
             await asyncio.sleep(delay)
     logger.error(f"giving up on {namespace}/{owner} after {CHILD_EVENT_ATTEMPTS} attempts; "
                  f"the next change or operator restart reconciles it")
+
+
+def _pods_matter(pod: kopf.Body, owner: dict[str, Any]) -> bool:
+    """A pod event needs a reconcile when the pod fails now, or when the owner's Degraded condition
+    names a pod failure that may have cleared (readiness changes reach the status through the
+    Deployment's own events)."""
+    degraded = st.get_condition(owner.get("status"), st.DEGRADED) or {}
+    return pods.pod_problem([dict(pod)]) is not None or \
+        (degraded.get("status") == "True" and degraded.get("reason") in pods.REASONS)
+
+
+@kopf.on.event("", "v1", "pods", labels=CHILD_FILTER)
+async def pod_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """A serving pod changed: a failure (crash loop, OOM kill, image pull, unschedulable) reaches the
+    owner's status within one reconcile, and so does its recovery."""
+    owner = (body.get("metadata", {}).get("labels") or {}).get(render.OWNER_LABEL)
+    await _child_event(body, logger, owner=owner, only_if_pods_matter=True)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)

@@ -82,10 +82,12 @@ def rollout(deployment: dict[str, Any] | None, desired: int,
 
 def compute_status(obj: dict[str, Any], deployment: dict[str, Any] | None, desired: int, url: str,
                    model: str, selector: str, now: str, autoscaling: bool,
-                   template_written: bool = True) -> dict[str, Any]:
+                   template_written: bool = True, pod_problem: tuple[str, str] | None = None) -> dict[str, Any]:
     """The status the reconcile owns, given the live Deployment after apply (``template_written``:
-    see ``rollout``).
+    see ``rollout``) and the serving pods' failure (``pods.pod_problem``: reason, message), if any.
 
+    A failing pod makes Degraded=True with its reason and message at once (Ready and Progressing
+    keep the rollout's view: old pods may still serve); the condition clears when no pod fails.
     desiredReplicas is written only when autoscaling is off (the autoscaler owns it otherwise)."""
     old = obj.get("status") or {}
     gen = (obj.get("metadata") or {}).get("generation")
@@ -96,8 +98,10 @@ def compute_status(obj: dict[str, Any], deployment: dict[str, Any] | None, desir
     conds = set_condition(conds, READY, is_ready, reason, message, now, gen)
     conds = set_condition(conds, PROGRESSING, progressing, reason, message, now, gen)
     degraded = reason == "ProgressDeadlineExceeded"
-    conds = set_condition(conds, DEGRADED, degraded, reason if degraded else "ReconcileSucceeded",
-                          message if degraded else "children match the spec", now, gen)
+    d_reason, d_message = (reason, message) if degraded else ("ReconcileSucceeded", "children match the spec")
+    if pod_problem is not None:
+        degraded, (d_reason, d_message) = True, pod_problem
+    conds = set_condition(conds, DEGRADED, degraded, d_reason, d_message, now, gen)
     st = (deployment or {}).get("status") or {}
     status: dict[str, Any] = {
         "observedGeneration": gen,
