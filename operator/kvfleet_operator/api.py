@@ -22,7 +22,8 @@ KIND = "InferenceService"
 PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ["infsvc"]
-DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet-server:0.1.0"
+DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet-server:0.1.0"  # the operator's fallback (chart: servingImage)
+DEFAULT_PULL_POLICY = "IfNotPresent"
 MODEL_URI_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]+|s3://[a-z0-9][a-z0-9.-]*(/[^\s]*)?|bundled://smollm2)$"
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 DNS1035 = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
@@ -142,10 +143,13 @@ class EnvVar(_Model):
 
 class EngineConfig(_Model):
     """kvfleet-server settings; each field is rendered as the server's vLLM-style flag."""
-    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512,
-                       description="Serving image running kvfleet-server.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        default="IfNotPresent", description="Image pull policy of the server container.")
+    image: str | None = Field(default=None, min_length=1, max_length=512,
+                              description="Serving image running kvfleet-server. Unset: the operator's serving "
+                                          "image (the chart's servingImage), so an upgrade moves every object "
+                                          "that does not pin one.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Image pull policy of the server container. Unset: the operator's "
+                                  "(the chart's servingImage.pullPolicy).")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         default="auto", description="Weights and activations dtype (--dtype).")
     quantization: Literal["none", "fp8", "int8", "gguf"] = Field(
@@ -296,6 +300,11 @@ class ModelCache(_Model):
         return self
 
 
+class LocalObjectReference(_Model):
+    """A reference to an object in the InferenceService's namespace, by name."""
+    name: str = Field(description="Object name.", min_length=1, max_length=253)
+
+
 class InferenceServiceSpec(_Model):
     """Desired state of an InferenceService."""
     model: ModelSource = Field(description="The model to serve.")
@@ -309,6 +318,13 @@ class InferenceServiceSpec(_Model):
     probes: Probes = Field(default_factory=Probes, description="Health checks.")
     service: ServiceConfig = Field(default_factory=ServiceConfig, description="Service.")
     model_cache: ModelCache = Field(default_factory=ModelCache, description="Model download cache.")
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=16,
+        description="Secrets for pulling the serving image from a private registry (pod imagePullSecrets).")
+    service_account_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="ServiceAccount of the serving pods (e.g. for cloud workload identity to a model bucket). "
+                    "Unset: the namespace's default. The pods still mount no API token.")
 
     @model_validator(mode="after")
     def _rules(self) -> "InferenceServiceSpec":

@@ -13,6 +13,7 @@ import argparse
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 from typing import Any
 
@@ -95,7 +96,8 @@ def _render(args: argparse.Namespace) -> int:
             continue
         doc = admission.apply_defaults(doc, admission.schema())
         try:
-            children = render.render(doc)
+            children = render.render(doc, defaults=render.ServingDefaults(args.serving_image,
+                                                                          args.serving_image_pull_policy))
         except render.Unrealisable as exc:
             print(f"error: {name}: {exc.reason}: {exc.message}", file=sys.stderr)
             failed = True
@@ -136,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=_run)
     render = sub.add_parser("render", help="print the children of an InferenceService YAML file")
     render.add_argument("file", metavar="FILE", help="InferenceService YAML (several documents allowed; - = stdin)")
+    render.add_argument("--serving-image", default=os.environ.get("KVFLEET_SERVING_IMAGE") or api.DEFAULT_IMAGE,
+                        help="image for specs without engine.image, as the chart's servingImage gives the operator "
+                             "(default: env KVFLEET_SERVING_IMAGE, else %(default)s)")
+    render.add_argument("--serving-image-pull-policy", choices=["Always", "IfNotPresent", "Never"],
+                        default=os.environ.get("KVFLEET_SERVING_IMAGE_PULL_POLICY") or api.DEFAULT_PULL_POLICY,
+                        help="pull policy for specs without engine.imagePullPolicy (default: %(default)s)")
     render.set_defaults(func=_render)
     crd = sub.add_parser("crd", help="print the InferenceService CRD")
     crd.add_argument("--peering", action="store_true", help="also print kopf's peering CRDs")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import os
 import time
 from typing import Any
 
@@ -42,6 +43,7 @@ CHILDREN = (("deployment", "apps/v1", "deployments"), ("service", "v1", "service
             ("pdb", "policy/v1", "poddisruptionbudgets"))
 CHILD_EVENT_ATTEMPTS = 6  # backoff 1+2+4+8+16+32 s before giving up on a child event
 _locks: dict[tuple[int, str, str], asyncio.Lock] = {}
+SERVING_DEFAULTS = render.ServingDefaults.from_env(dict(os.environ))  # the chart's servingImage
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -126,13 +128,13 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     if obj["metadata"].get("deletionTimestamp"):
         return {}  # being deleted: the garbage collector removes the children, nothing to reconcile
     spec = render.parse_spec(obj)
-    render.render(obj)  # surfaces Unrealisable before any request
+    render.render(obj, defaults=SERVING_DEFAULTS)  # surfaces Unrealisable before any request
     uid = obj["metadata"].get("uid")
     live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
     live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \
         if spec.autoscaling.enabled else None
     replicas = render.desired_replicas(spec, live_replicas, (obj.get("status") or {}).get("desiredReplicas"))
-    children = render.render(obj, replicas)
+    children = render.render(obj, replicas, SERVING_DEFAULTS)
     desired = {"deployment": children.deployment, "service": children.service, "pdb": children.pdb}
     ours = {kind: body is not None and (apply.controlled_by(body, uid) or _adoptable(body, name))
             for kind, body in live.items()}

@@ -42,6 +42,20 @@ HF_DOWNLOAD = (
 )
 
 
+@dataclass(frozen=True)
+class ServingDefaults:
+    """What an InferenceService leaves to the operator: the serving image and its pull policy
+    (the chart's servingImage, given to the operator as KVFLEET_SERVING_IMAGE /
+    KVFLEET_SERVING_IMAGE_PULL_POLICY; ``from_env`` reads them once at start-up)."""
+    image: str = api.DEFAULT_IMAGE
+    pull_policy: str = api.DEFAULT_PULL_POLICY
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> "ServingDefaults":
+        return cls(image=env.get("KVFLEET_SERVING_IMAGE") or api.DEFAULT_IMAGE,
+                   pull_policy=env.get("KVFLEET_SERVING_IMAGE_PULL_POLICY") or api.DEFAULT_PULL_POLICY)
+
+
 class Unrealisable(Exception):
     """The spec passed the schema but cannot be turned into running pods.
 
@@ -266,11 +280,13 @@ def _security_context() -> dict[str, Any]:
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def render(obj: dict[str, Any], replicas: int | None = None) -> Children:
+def render(obj: dict[str, Any], replicas: int | None = None,
+           defaults: ServingDefaults = ServingDefaults()) -> Children:
     """Render the children of InferenceService ``obj``.
 
     replicas: the Deployment's replica count (see ``desired_replicas``); None means
-    ``desired_replicas(spec, None, status.desiredReplicas)``. Raises Unrealisable."""
+    ``desired_replicas(spec, None, status.desiredReplicas)``. defaults: the serving image and pull
+    policy for a spec that sets none. Raises Unrealisable."""
     spec = parse_spec(obj)
     name = obj["metadata"]["name"]
     if replicas is None:
@@ -285,6 +301,7 @@ def render(obj: dict[str, Any], replicas: int | None = None) -> Children:
     e = spec.engine
     args = server_args(spec, model_path, draft_path)
     check_server_args(args)
+    image, pull_policy = e.image or defaults.image, e.image_pull_policy or defaults.pull_policy
 
     env = [v.model_dump(by_alias=True, exclude_none=True) for v in e.env]
     env_names = {v["name"] for v in env}
@@ -309,8 +326,8 @@ def render(obj: dict[str, Any], replicas: int | None = None) -> Children:
     health = {"path": "/health", "port": HTTP_PORT_NAME}
     container: dict[str, Any] = {
         "name": SERVER_CONTAINER,
-        "image": e.image,
-        "imagePullPolicy": e.image_pull_policy,
+        "image": image,
+        "imagePullPolicy": pull_policy,
         "command": ["kvfleet-server"],
         "args": args,
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": spec.service.port, "protocol": "TCP"}],
@@ -328,8 +345,8 @@ def render(obj: dict[str, Any], replicas: int | None = None) -> Children:
     }
     init_containers = [{
         "name": f"model-download-{i}" if i else "model-download",
-        "image": e.image,
-        "imagePullPolicy": e.image_pull_policy,
+        "image": image,
+        "imagePullPolicy": pull_policy,
         "command": ["python", "-c", HF_DOWNLOAD, repo, revision, target],
         "env": env,
         "volumeMounts": volume_mounts,
@@ -350,6 +367,10 @@ def render(obj: dict[str, Any], replicas: int | None = None) -> Children:
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": r.name} for r in spec.image_pull_secrets]
     if sched.node_selector:
         pod_spec["nodeSelector"] = dict(sched.node_selector)
     if sched.tolerations:

@@ -21,14 +21,15 @@ from .conftest import CHART, VALUES_ALL, HelmError, render_chart, run_helm
 KUBE_VERSIONS = ("1.30.0", "1.35.0")
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 CR_SCHEMAS = {
-    "monitoring.coreos.com/v1": SCHEMAS / "servicemonitor-monitoring.coreos.com-v1.json",
+    ("monitoring.coreos.com/v1", "ServiceMonitor"): SCHEMAS / "servicemonitor-monitoring.coreos.com-v1.json",
+    ("monitoring.coreos.com/v1", "PodMonitor"): SCHEMAS / "podmonitor-monitoring.coreos.com-v1.json",
 }
 
 
 def validate_manifest(obj: dict) -> None:
-    api = obj["apiVersion"]
-    if api in CR_SCHEMAS:
-        jsonschema.validate(obj, json.loads(CR_SCHEMAS[api].read_text()))
+    key = (obj["apiVersion"], obj["kind"])
+    if key in CR_SCHEMAS:
+        jsonschema.validate(obj, json.loads(CR_SCHEMAS[key].read_text()))
         return
     for version in KUBE_VERSIONS:
         kubernetes_validate.validate(obj, version, strict=True)
@@ -59,15 +60,16 @@ def test_helm_lint_clean(helm, extra):
 
 def test_default_render_is_valid(rendered_default):
     got = sorted(m["kind"] for m in rendered_default)
-    assert got == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Service", "ServiceAccount"]
+    assert got == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
+                   "ServiceAccount"]  # the operator's role and the aggregated edit/view roles
     for m in rendered_default:
         validate_manifest(m)
 
 
 def test_all_options_render_is_valid(rendered_all):
     got = sorted(m["kind"] for m in rendered_all)
-    assert got == sorted(["ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                          "ServiceAccount", "ServiceMonitor", "Role", "Role", "RoleBinding",
+    assert got == sorted(["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
+                          "ServiceAccount", "ServiceMonitor", "PodMonitor", "Role", "Role", "RoleBinding",
                           "RoleBinding"])
     for m in rendered_all:
         validate_manifest(m)
@@ -90,6 +92,9 @@ def test_validation_catches_a_broken_manifest(rendered_default):
           "spec": {"selector": {}, "endpoints": [{"port": "metrics", "interval": "30 seconds"}]}}
     with pytest.raises(jsonschema.ValidationError):
         validate_manifest(sm)
+    pm = {**sm, "kind": "PodMonitor", "spec": {"selector": {}, "podMetricsEndpoints": [{"port": "http", "pathh": "/"}]}}
+    with pytest.raises(jsonschema.ValidationError):
+        validate_manifest(pm)
 
 
 def test_every_value_is_exercised_by_values_all():
@@ -225,6 +230,76 @@ def test_all_options_land(rendered_all):
     assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s",
                                         "scrapeTimeout": "5s"}]
+    assert {"name": "KVFLEET_SERVING_IMAGE", "value": "registry.example.com/kvfleet/kvfleet-server:0.1.0-cuda"} \
+        in c["env"]
+    assert {"name": "KVFLEET_SERVING_IMAGE_PULL_POLICY", "value": "Always"} in c["env"]
+    pm = one(rendered_all, "PodMonitor")
+    assert pm["metadata"]["namespace"] == "monitoring" and pm["metadata"]["labels"]["release"] == "prometheus"
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["llm-prod", "llm-staging"]}
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"], endpoint["scrapeTimeout"]) == \
+        ("http", "/metrics", "10s", "5s")
+
+
+# --- the serving side ----------------------------------------------------------------------------
+
+def test_serving_image_reaches_the_operator_and_the_pods_it_renders(rendered_default):
+    """The chart's servingImage is what the operator renders for a spec without engine.image."""
+    from kvfleet_operator import render
+
+    _, c = _container(rendered_default)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert env["KVFLEET_SERVING_IMAGE"] == f"ghcr.io/kvfleet/kvfleet-server:{chart['appVersion']}"
+    defaults = render.ServingDefaults.from_env(env)
+    sample = yaml.safe_load((CHART.parents[1] / "crds/samples/llama-3.1-8b-instruct.yaml").read_text())
+    box = render.render(sample, defaults=defaults).deployment["spec"]["template"]["spec"]["containers"][0]
+    assert (box["image"], box["imagePullPolicy"]) == (env["KVFLEET_SERVING_IMAGE"], "IfNotPresent")
+
+
+def test_serving_pods_rendered_with_pull_secrets_are_valid(rendered_default):
+    from kvfleet_operator import render
+
+    sample = yaml.safe_load((CHART.parents[1] / "crds/samples/llama-3.1-8b-instruct.yaml").read_text())
+    sample["spec"].update({"imagePullSecrets": [{"name": "regcred"}], "serviceAccountName": "llm"})
+    dep = render.render(sample).deployment
+    assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    validate_manifest(dep)
+
+
+def test_pod_monitor_selects_the_pods_the_operator_renders(helm):
+    from kvfleet_operator import render
+
+    pm = one(render_chart(helm, sets=["metrics.podMonitor.enabled=true"]), "PodMonitor")
+    assert pm["spec"]["namespaceSelector"] == {"any": True}  # the operator watches every namespace
+    validate_manifest(pm)
+    pod = render.render({"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceService",
+                         "metadata": {"name": "chat", "namespace": "llm"},
+                         "spec": {"model": {"uri": "bundled://smollm2"}, "resources": {"gpus": 0}}}
+                        ).deployment["spec"]["template"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert pm["spec"]["podMetricsEndpoints"][0]["port"] in [p["name"] for p in pod["spec"]["containers"][0]["ports"]]
+    label = pm["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["sourceLabels"][0]
+    assert label == "__meta_kubernetes_pod_label_" + render.OWNER_LABEL.replace(".", "_").replace("/", "_")
+
+
+def test_aggregated_roles_let_edit_and_view_users_use_inferenceservices(rendered_default):
+    roles = {m["metadata"]["name"]: m for m in rendered_default if m["kind"] == "ClusterRole"}
+    edit, view = roles["kvfleet-edit"], roles["kvfleet-view"]
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert edit["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+    assert "rbac.authorization.k8s.io/aggregate-to-edit" not in view["metadata"]["labels"]
+    for role in (edit, view):  # InferenceService verbs only
+        for rule in role["rules"]:
+            assert rule["apiGroups"] == ["serving.kvfleet.dev"]
+            assert all(r.split("/")[0] == "inferenceservices" for r in rule["resources"])
+            assert "*" not in rule["verbs"]
+    edit_verbs = {v for r in edit["rules"] if r["resources"] == ["inferenceservices"] for v in r["verbs"]}
+    assert {"create", "update", "patch", "delete"} <= edit_verbs
+    assert {v for r in view["rules"] for v in r["verbs"]} == {"get", "list", "watch"}
+    bound = {m["roleRef"]["name"] for m in rendered_default if m["kind"] in ("ClusterRoleBinding", "RoleBinding")}
+    assert not {"kvfleet-edit", "kvfleet-view"} & bound  # for people through aggregation, never the operator's
 
 
 # --- refusals ----------------------------------------------------------------------------------

@@ -346,3 +346,30 @@ def test_user_env_overrides_home_and_hf_home():
     box = container(render.render(isvc({**HF, "engine": {"env": [{"name": "HF_HOME", "value": "/x"}]}})))
     assert [e for e in box["env"] if e["name"] == "HF_HOME"] == [{"name": "HF_HOME", "value": "/x"}]
     assert {"name": "HOME", "value": "/tmp"} in box["env"]
+
+
+def test_serving_image_comes_from_the_operator_unless_the_spec_pins_one():
+    # the CRD writes no default image into objects: an operator upgrade (chart servingImage) moves them all
+    from kvfleet_operator import crdgen
+
+    engine_schema = crdgen.openapi_schema()["properties"]["spec"]["properties"]["engine"]["properties"]
+    assert "default" not in engine_schema["image"] and "default" not in engine_schema["imagePullPolicy"]
+    defaults = render.ServingDefaults("registry.example/kvfleet-server:0.2.0", "Always")
+    box = container(render.render(isvc(HF), defaults=defaults))
+    assert (box["image"], box["imagePullPolicy"]) == ("registry.example/kvfleet-server:0.2.0", "Always")
+    init = render.render(isvc(HF), defaults=defaults).deployment["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["image"] == "registry.example/kvfleet-server:0.2.0"
+    pinned = container(render.render(isvc({**HF, "engine": {"image": "mine:1", "imagePullPolicy": "Never"}}),
+                                     defaults=defaults))
+    assert (pinned["image"], pinned["imagePullPolicy"]) == ("mine:1", "Never")
+    assert render.ServingDefaults.from_env({}) == render.ServingDefaults()
+    assert render.ServingDefaults.from_env({"KVFLEET_SERVING_IMAGE": "x:1"}).image == "x:1"
+
+
+def test_pull_secrets_and_service_account_reach_the_pods():
+    pod = render.render(isvc({**HF, "imagePullSecrets": [{"name": "regcred"}], "serviceAccountName": "llm-reader"})
+                        ).deployment["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}] and pod["serviceAccountName"] == "llm-reader"
+    assert pod["automountServiceAccountToken"] is False
+    plain = render.render(isvc(HF)).deployment["spec"]["template"]["spec"]
+    assert "imagePullSecrets" not in plain and "serviceAccountName" not in plain

@@ -56,6 +56,11 @@ app.kubernetes.io/part-of: kvfleet
 {{- end }}
 {{- end }}
 
+{{/* The default serving image, repository:tag; the tag defaults to the chart's appVersion. */}}
+{{- define "kvfleet.servingImage" -}}
+{{- printf "%s:%s" .Values.servingImage.repository (default .Chart.AppVersion .Values.servingImage.tag) }}
+{{- end }}
+
 {{/* True ("true") when the operator watches every namespace. */}}
 {{- define "kvfleet.clusterWide" -}}
 {{- if empty .Values.watchNamespaces }}true{{ end }}
