@@ -104,7 +104,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 # What the API key leaves open (api/app.py's OPEN_PATHS; tests/server/test_cli_flags.py keeps them equal).
 API_KEY_HELP = ("require 'Authorization: Bearer <key>' on every endpoint except /health, /metrics, /version, "
                 "/openapi.json, /docs, /docs/oauth2-redirect and /redoc (vLLM guards only /v1; kvfleet also "
-                "guards /tokenize and /detokenize); default from env VLLM_API_KEY or KVFLEET_API_KEY")
+                "guards /tokenize and /detokenize) (default: env VLLM_API_KEY or KVFLEET_API_KEY; the key is never "
+                "printed here)")
 
 
 def _engine_default(name: str):

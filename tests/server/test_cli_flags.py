@@ -163,8 +163,9 @@ def test_accepted_vllm_flags_keep_vllms_meaning(tmp_path):
 
 def test_help_shows_the_real_defaults():
     out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--help"], capture_output=True, text=True,
-                         timeout=60, env={"COLUMNS": "400", **__import__("os").environ})
+                         timeout=60, env={**__import__("os").environ, "COLUMNS": "400", "VLLM_API_KEY": "sk-secret-7"})
     text = " ".join(out.stdout.split())
+    assert "sk-secret-7" not in text  # the key is never printed
     assert "(default: None)" not in text
     assert "--max-num-seqs MAX_NUM_SEQS most sequences in one batch (running requests) (default: 256)" in text
     assert "(default: 2048, raised to --max-num-seqs when that is larger)" in text
