@@ -31,7 +31,9 @@ Rules on namespaced resources: in the ClusterRole (all namespaces) or a Role per
   reconcile of a child's owner reads it (get). The spec is never written.
 - inferenceservices/status: conditions, observedGeneration, replicas, url, autoscaling.
 - deployments, services, poddisruptionbudgets: the children, read, created, patched, deleted.
-- pods: list, for the autoscaler to scrape each ready serving pod's /metrics.
+- pods: list, for the autoscaler to scrape each ready serving pod's /metrics; patch, for the
+  controller.kubernetes.io/pod-deletion-cost annotation it sets before a scale-down (the only pod
+  writes: the ReplicaSet then removes the idlest pods).
 - events: the autoscaler's Kubernetes Events on InferenceServices (scale decisions).
 - kopfpeerings (named namespaces, peering on): as clusterkopfpeerings above, per namespace.
 Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not the operator.
@@ -54,7 +56,7 @@ Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not 
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
