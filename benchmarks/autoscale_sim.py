@@ -24,19 +24,27 @@ Capacity model of one replica (continuous batching, vLLM-style):
   CPU, so the model overstates prefill cost — equally for every policy.
 * A new replica takes ``--startup-seconds`` (ASSUMPTION, default 180 s: GPU node scheduling,
   image pull, weight load — not measurable on this CPU machine) before it is Ready; it counts as a
-  replica (holds its GPU) meanwhile. A removed replica stops receiving requests and drains its
-  queue first (it counts until empty).
+  replica (holds its GPU) meanwhile. A removed replica stops receiving requests; its running and
+  queued requests have ``--drain-timeout-seconds`` (``spec.engine.shutdownTimeoutSeconds``,
+  default 30) to finish, the rest are cut (it counts as a replica until then).
+* Which replica a scale-down removes: not-Ready ones first, then ``drain-aware`` (fewest running +
+  queued requests, then least KV held — what the operator's pod-deletion-cost annotations make
+  the ReplicaSet do) or ``random`` (the ReplicaSet's pick without them).
 * Routing: each request goes to the Ready replica with the fewest requests (running + queued).
 
 Policies: ``kvfleet`` (decide() with KV usage and queue, defaults of the CRD: target KV 0.8,
-queue 5, scale-down window 300 s, capacity on the way); ``queue-only`` (decide() fed only
+queue 5, scale-down window 300 s, starting replicas counted as capacity), with a drain-aware or a
+random scale-down victim; ``kvfleet first pass`` (the same, but every scale-up held while any
+replica starts: the rule before starting replicas were counted, ``first_pass_hold``); ``queue-only`` (decide() fed only
 ``vllm:num_requests_waiting``, with starting replicas *not* counted — how a KEDA/HPA rule on the
 waiting queue behaves; it keeps decide()'s stabilization windows, step limit and scale-down
 hysteresis, so it flaps less than a plain HPA rule would); ``fixed-peak`` (a constant fleet sized for the busiest 5 minutes).
 
 Reported: replica-hours, fraction of requests whose queueing delay (arrival → first scheduled)
 exceeds the TTFT target, p50/p99 queueing delay, scale events, reversals (a scale-up within one
-scale-down window after a scale-down: flapping or a new burst), preemptions.
+scale-down window after a scale-down: flapping or a new burst), preemptions, requests cut by
+scale-downs (still running or queued on a removed replica at its drain timeout) and the mean
+drain seconds of a removed Ready replica.
 
 Usage: ``python benchmarks/autoscale_sim.py [--measure] [--seed 0] [--hours 24]``; prints a table
 and writes ``benchmarks/results/autoscale_sim.json``.
@@ -57,8 +65,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvfleet_operator.autoscale import (AutoscalingPolicy, History, PodMetrics, PodObservation,
-                                        decide)
+from kvfleet_operator.autoscale import (AutoscalingPolicy, Decision, History, PodMetrics,
+                                        PodObservation, decide)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 FIGURES_PATH = os.path.join(RESULTS, "engine_figures.json")
@@ -190,6 +198,7 @@ class Replica:
     created: float
     ready_at: float
     draining: bool = False
+    drain_started: float = 0.0  # when the scale-down removed it (its SIGTERM)
     queue: deque = field(default_factory=deque)  # request ids (FIFO); preempted go to the front
     running: list = field(default_factory=list)  # [rid, remaining_out, kv_tokens]
     kv_used: float = 0.0
@@ -209,13 +218,40 @@ class SimResult:
     scale_downs: int = 0
     preemptions: int = 0
     reversals: int = 0  # scale-ups within one scale-down window after a scale-down (flapping)
+    cut: int = 0  # requests still on a removed replica at its drain timeout (aborted)
+    drain_seconds: float = 0.0  # summed over removed Ready replicas: removal -> empty or cut
+    victims: int = 0  # Ready replicas removed by scale-downs
     queue_delays: list = field(default_factory=list)
     timeline: list = field(default_factory=list)  # (t, replicas, ready, waiting)
 
 
+def first_pass_hold(d: Decision, policy: AutoscalingPolicy) -> Decision:
+    """kvfleet's first autoscaling pass, for comparison: every scale-up is held while any replica
+    is starting (the rule ``decide`` had before starting replicas were counted as capacity)."""
+    if d.direction != "up" or d.starting == 0:
+        return d
+    held = max(d.current_replicas, policy.min_replicas)  # the bounds were honoured even then
+    return dataclasses.replace(d, desired_replicas=held, changed=held != d.current_replicas,
+                               direction="up" if held > d.current_replicas else "none",
+                               code="ReplicasStarting")
+
+
 def simulate(name: str, trace: Trace, fig: dict, *, policy: AutoscalingPolicy | None,
              initial: int, startup_s: float, dt: float, queue_only: bool,
-             interval: float = 15.0) -> SimResult:
+             interval: float = 15.0, hold_while_starting: bool = False,
+             victim: str = "drain-aware", drain_timeout_s: float = 30.0, seed: int = 0) -> SimResult:
+    """Serve ``trace`` with a fleet scaled by ``policy`` (None: a fixed fleet of ``initial``).
+
+    victim: which Ready replicas a scale-down removes — "drain-aware" (fewest running + queued
+    requests, then least KV held: what the pod-deletion-cost annotations make the ReplicaSet do)
+    or "random" (the ReplicaSet's choice without them). Not-Ready replicas always go first. A
+    removed replica gets no new requests; its running and queued ones have ``drain_timeout_s``
+    (``spec.engine.shutdownTimeoutSeconds``, default 30) to finish, the rest are cut (counted in
+    ``cut``; a cut request that never started counts as queued until the cut).
+    hold_while_starting: emulate the first pass's hold (``first_pass_hold``)."""
+    if victim not in ("drain-aware", "random"):
+        raise ValueError(f"victim={victim!r}: must be 'drain-aware' or 'random'")
+    rng = np.random.default_rng(seed)
     K = fig["num_blocks"] * fig["block_size"]
     S = fig["max_num_seqs"]
     a, c = fig["step_fit_seconds"]["a"], fig["step_fit_seconds"]["c"]
@@ -275,13 +311,27 @@ def simulate(name: str, trace: Trace, fig: dict, *, policy: AutoscalingPolicy | 
                 r.running.remove(item)
                 r.kv_used -= item[2]
             while r.kv_used > K and len(r.running) > 1:  # preempt the newest (recompute later)
-                victim = r.running.pop()
-                r.kv_used -= victim[2]
-                prompt_len[victim[0]] = victim[2]
+                pre = r.running.pop()
+                r.kv_used -= pre[2]
+                prompt_len[pre[0]] = pre[2]
                 # remaining output stays; it re-enters at the head of the queue
-                trace.output[victim[0]] = max(1, int(math.ceil(victim[1])))
-                r.queue.appendleft(victim[0])
+                trace.output[pre[0]] = max(1, int(math.ceil(pre[1])))
+                r.queue.appendleft(pre[0])
                 res.preemptions += 1
+        for r in replicas:
+            if not r.draining:
+                continue
+            if r.load() == 0:
+                res.drain_seconds += end - r.drain_started
+            elif end - r.drain_started >= drain_timeout_s:  # the drain timeout: abort the rest
+                res.cut += r.load()
+                res.drain_seconds += end - r.drain_started
+                for rid in r.queue:
+                    if np.isnan(first_sched[rid]):
+                        first_sched[rid] = end
+                r.queue.clear()
+                r.running.clear()
+                r.kv_used = 0.0
         replicas = [r for r in replicas if not (r.draining and r.load() == 0)]
         res.replica_hours += len(replicas) * dt / 3600.0
         res.peak_replicas = max(res.peak_replicas, len(replicas))
@@ -300,6 +350,8 @@ def simulate(name: str, trace: Trace, fig: dict, *, policy: AutoscalingPolicy | 
                 else:
                     pods.append(PodObservation("r", False, now - r.created, False, None))
             d = decide(policy, len(active), pods, history, now)
+            if hold_while_starting:
+                d = first_pass_hold(d, policy)
             history = d.history
             if d.changed:
                 res.scale_events += 1
@@ -313,12 +365,22 @@ def simulate(name: str, trace: Trace, fig: dict, *, policy: AutoscalingPolicy | 
                     res.scale_downs += 1
                     last_down = now
                     excess = len(active) - d.desired_replicas
-                    # Like a ReplicaSet: not-ready pods go first, then the least loaded.
-                    for r in sorted(active, key=lambda r: (r.ready_at <= now, r.load()))[:excess]:
+                    # Like a ReplicaSet: not-ready pods go first, then by deletion cost (least
+                    # loaded, least KV) or, without costs, an arbitrary Ready pod.
+                    if victim == "drain-aware":
+                        def rank(r: Replica) -> tuple:
+                            return (r.ready_at <= now, r.load(), r.kv_used)
+                    else:
+                        noise = {id(r): rng.random() for r in active}
+
+                        def rank(r: Replica) -> tuple:
+                            return (r.ready_at <= now, noise[id(r)])
+                    for r in sorted(active, key=rank)[:excess]:
                         if r.ready_at > now:
                             replicas.remove(r)
                         else:
-                            r.draining = True
+                            r.draining, r.drain_started = True, now
+                            res.victims += 1
             if int(now) % 60 == 0:
                 res.timeline.append((now, len(replicas), sum(r.ready_at <= now for r in replicas),
                                      sum(len(r.queue) for r in replicas)))
@@ -352,11 +414,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-replicas", type=int, default=16)
     p.add_argument("--startup-seconds", type=float, default=180.0,
                    help="ASSUMED time from scale-up to Ready (GPU scheduling, image pull, weight load)")
+    p.add_argument("--drain-timeout-seconds", type=float, default=30.0,
+                   help="a removed replica's drain time before its requests are cut "
+                        "(spec.engine.shutdownTimeoutSeconds, default 30)")
     p.add_argument("--ttft-target", type=float, default=1.0,
                    help="queueing-delay target in seconds (TTFT budget before prefill)")
     p.add_argument("--dt", type=float, default=0.5, help="simulation step (seconds)")
     p.add_argument("--no-ablations", dest="ablations", action="store_false",
-                   help="only the three main policies")
+                   help="no ablation rows")
     p.add_argument("--out", default=os.path.join(RESULTS, "autoscale_sim.json"))
     args = p.parse_args(argv)
 
@@ -389,22 +454,30 @@ def main(argv: list[str] | None = None) -> int:
     queue_policy = AutoscalingPolicy(min_replicas=1, max_replicas=args.max_replicas,
                                      startup_timeout_seconds=0)  # starting pods not counted
     runs = [
-        ("kvfleet (KV + queue, capacity on the way)", dict(policy=policy, initial=1, queue_only=False)),
-        ("queue-only (waiting >= 5, KEDA/HPA-style)", dict(policy=queue_policy, initial=1, queue_only=True)),
+        ("kvfleet (starting counted, drain-aware)", dict(policy=policy, initial=1, queue_only=False)),
+        ("kvfleet (starting counted, random victim)",
+         dict(policy=policy, initial=1, queue_only=False, victim="random")),
+        ("kvfleet first pass (hold, drain-aware)",
+         dict(policy=policy, initial=1, queue_only=False, hold_while_starting=True)),
+        ("kvfleet first pass (hold, random victim)",
+         dict(policy=policy, initial=1, queue_only=False, hold_while_starting=True, victim="random")),
+        ("queue-only (waiting >= 5, KEDA/HPA-style)", dict(policy=queue_policy, initial=1, queue_only=True,
+                                                           victim="random")),
         (f"fixed, sized for peak ({fixed_n} replicas)", dict(policy=None, initial=fixed_n, queue_only=False)),
     ]
     if args.ablations:
         runs += [
             ("  ablation: kvfleet, targetKVCacheUsage 0.6",
              dict(policy=dataclasses.replace(policy, target_kv_cache_usage=0.6), initial=1, queue_only=False)),
-            ("  ablation: kvfleet w/o capacity on the way",
+            ("  ablation: kvfleet, starting not counted",
              dict(policy=dataclasses.replace(policy, startup_timeout_seconds=0), initial=1, queue_only=False)),
         ]
     rows = []
     wall = time.perf_counter()
     for name, kw in runs:
         trace = make_trace(*trace_args)  # fresh copy (the model mutates outputs on preemption)
-        r = simulate(name, trace, fig, startup_s=args.startup_seconds, dt=args.dt, **kw)
+        r = simulate(name, trace, fig, startup_s=args.startup_seconds, dt=args.dt,
+                     drain_timeout_s=args.drain_timeout_seconds, seed=args.seed, **kw)
         d = np.array(r.queue_delays)
         rows.append({
             "policy": name, "replica_hours": round(r.replica_hours, 1),
@@ -414,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
             "queue_delay_p99_s": float(np.percentile(d, 99)) if d.size else 0.0,
             "scale_events": r.scale_events, "reversals": r.reversals, "scale_ups": r.scale_ups, "scale_downs": r.scale_downs,
             "peak_replicas": r.peak_replicas, "preemptions": r.preemptions,
+            "requests_cut": r.cut, "scale_down_victims": r.victims,
+            "drain_seconds_per_victim": r.drain_seconds / r.victims if r.victims else 0.0,
             "timeline_per_minute": r.timeline,
         })
     wall = time.perf_counter() - wall
@@ -428,13 +503,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trace: {args.hours:g} h, {rows[0]['requests']} requests, peak {peak_rate:.2f} req/s "
           f"(busiest 5 min ~ {args.peak_replicas:g} replicas); startup {args.startup_seconds:g} s "
           f"(assumed); TTFT target {args.ttft_target:g} s queueing delay; sim {wall:.0f} s")
-    hdr = f"{'policy':46s} {'replica-h':>9s} {'>TTFT':>7s} {'p50 q':>7s} {'p99 q':>7s} {'events':>6s} {'revers':>6s} {'peak':>4s}"
+    hdr = (f"{'policy':46s} {'replica-h':>9s} {'>TTFT':>7s} {'p50 q':>7s} {'p99 q':>7s} {'events':>6s} "
+           f"{'revers':>6s} {'peak':>4s} {'cut':>5s} {'drain s':>7s}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         print(f"{r['policy']:46s} {r['replica_hours']:9.1f} {100 * r['frac_queue_delay_over_target']:6.2f}% "
               f"{r['queue_delay_p50_s']:6.2f}s {r['queue_delay_p99_s']:6.1f}s {r['scale_events']:6d} "
-              f"{r['reversals']:6d} {r['peak_replicas']:4d}")
+              f"{r['reversals']:6d} {r['peak_replicas']:4d} {r['requests_cut']:5d} "
+              f"{r['drain_seconds_per_victim']:7.1f}")
     out = {"engine_figures_measured": measured, "replica_model": fig, "args": vars(args), "peak_rate_rps": peak_rate,
            "replica_rate_rps": rate1, "results": rows}
     with open(args.out, "w") as f:

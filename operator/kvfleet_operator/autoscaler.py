@@ -12,7 +12,10 @@ next tick). One tick (``tick``):
    container declares (``kvfleet_operator.scrape``);
 3. ``kvfleet_operator.autoscale.decide`` (pure) with the in-memory history of this object;
 4. on a change: merge-patch the Deployment's ``spec.replicas`` (never the InferenceService's spec,
-   so GitOps tools see no drift) and post a Kubernetes Event "scaled 2→4: <reason>";
+   so GitOps tools see no drift) and post a Kubernetes Event "scaled 2→4: <reason>"; before a
+   scale-down, first merge-patch every pod's ``controller.kubernetes.io/pod-deletion-cost``
+   annotation from this tick's scrape (``kvfleet_operator.deletion_cost``: the idlest pods go
+   first) — the only pod writes the operator makes;
 5. write ``status.desiredReplicas`` and ``status.autoscaling`` (reason, message, lastScaleTime,
    observed figures) when they changed.
 
@@ -40,6 +43,7 @@ import kopf
 from . import api, apply, handlers, kube
 from . import status as st
 from .autoscale import AutoscalingPolicy, Decision, History, PodObservation, decide
+from .deletion_cost import ANNOTATION as DELETION_COST, deletion_costs
 from .scrape import ScrapeTarget, pod_metrics_url, scrape_all
 
 MAX_SCRAPE_TIMEOUT_SECONDS = 2.0
@@ -186,6 +190,8 @@ async def tick(obj: Mapping[str, Any], state: AutoscalerState, client: kube.Kube
         now = st.now_rfc3339()
         message = _status_message(decision)
         if decision.changed:
+            if decision.direction == "down":
+                await _write_deletion_costs(client, namespace, pods, observed, logger)
             await client.patch("apps/v1", "deployments", namespace, name,
                                {"spec": {"replicas": decision.desired_replicas}})
             logger.info(f"autoscaler: {message}")
@@ -219,6 +225,26 @@ async def tick(obj: Mapping[str, Any], state: AutoscalerState, client: kube.Kube
             await client.patch(api.API_VERSION, api.PLURAL, namespace, name, {"status": patch},
                                subresource="status")
         return decision
+
+
+async def _write_deletion_costs(client: kube.KubeClient, namespace: str, pods: list[dict[str, Any]],
+                                observed: list[PodObservation],
+                                logger: logging.Logger | logging.LoggerAdapter) -> None:
+    """Set every pod's pod-deletion-cost annotation (only those whose value differs are patched).
+
+    Best effort: a pod that is gone (404) or a failed patch is logged and the scale-down still
+    proceeds (the ReplicaSet then falls back to its own ranking for that pod)."""
+    costs = deletion_costs(observed)
+    for pod, o in zip(pods, observed):
+        value = str(costs[o.name])
+        if ((pod.get("metadata") or {}).get("annotations") or {}).get(DELETION_COST) == value:
+            continue
+        try:
+            await client.patch("v1", "pods", namespace, o.name,
+                               {"metadata": {"annotations": {DELETION_COST: value}}})
+        except kube.ApiError as exc:
+            if exc.status != 404:
+                logger.warning(f"autoscaler: could not set {DELETION_COST} on pod {o.name}: {exc}")
 
 
 async def _post_event(client: kube.KubeClient, obj: Mapping[str, Any], type_: str, reason: str,

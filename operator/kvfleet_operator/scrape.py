@@ -9,7 +9,8 @@ error string — never zeros.
 Metrics read (labels ``model_name``, ``engine`` may repeat them per served model/engine):
 ``vllm:kv_cache_usage_perc`` (fallback: the older ``vllm:gpu_cache_usage_perc``) — mean over the
 pod's series, a fraction 0..1; ``vllm:num_requests_waiting`` and ``vllm:num_requests_running`` —
-summed over the pod's series, request counts.
+summed over the pod's series, request counts; ``kvfleet:kv_cache_blocks_cached`` (kvfleet-server
+only) — summed, blocks, used only to order the pods a scale-down removes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"
 WAITING = "vllm:num_requests_waiting"
 RUNNING = "vllm:num_requests_running"
+BLOCKS_CACHED = "kvfleet:kv_cache_blocks_cached"
 DEFAULT_TIMEOUT_SECONDS = 2.0
 MAX_BODY_BYTES = 8 * 1024 * 1024
 HTTP_PORT_NAME = "http"
@@ -62,7 +64,8 @@ def parse_metrics(text: str) -> PodMetrics:
     every sample is NaN/out of range: KV usage outside [0, 1], negative counts).
     Raises ValueError when the text is not valid exposition format.
     """
-    samples: dict[str, list[float]] = {KV_USAGE: [], KV_USAGE_OLD: [], WAITING: [], RUNNING: []}
+    samples: dict[str, list[float]] = {KV_USAGE: [], KV_USAGE_OLD: [], WAITING: [], RUNNING: [],
+                                       BLOCKS_CACHED: []}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in samples:
@@ -70,9 +73,11 @@ def parse_metrics(text: str) -> PodMetrics:
     kv = _valid(samples[KV_USAGE], 0.0, 1.0) or _valid(samples[KV_USAGE_OLD], 0.0, 1.0)
     waiting = _valid(samples[WAITING], 0.0, math.inf)
     running = _valid(samples[RUNNING], 0.0, math.inf)
+    cached = _valid(samples[BLOCKS_CACHED], 0.0, math.inf)
     return PodMetrics(kv_cache_usage=sum(kv) / len(kv) if kv else None,
                       num_requests_waiting=sum(waiting) if waiting else None,
-                      num_requests_running=sum(running) if running else None)
+                      num_requests_running=sum(running) if running else None,
+                      kv_cache_blocks_cached=sum(cached) if cached else None)
 
 
 def pod_metrics_url(pod: Mapping[str, Any], port_name: str = HTTP_PORT_NAME,

@@ -15,6 +15,9 @@ Pieces (reused by the autoscaler's tests):
   with the given modules (default: kvfleet_operator.handlers) and short timeouts; cluster-wide
   because KMock cannot parse the namespace listing kopf issues in namespaced mode.
 - ``wait_for(predicate)`` — poll an async or sync predicate without long sleeps.
+- ``assert_operator_never_wrote_spec(writes)`` — over every write made with the operator's token:
+  InferenceServices got only status patches and kopf's own metadata patches (no ``/scale``, no
+  JSON patch, no PUT/POST, no ``spec`` key anywhere).
 """
 from __future__ import annotations
 
@@ -230,3 +233,52 @@ async def wait_for(predicate: Callable[[], Any | Awaitable[Any]], timeout: float
         if loop.time() > deadline:
             raise AssertionError(f"condition not met within {timeout} s: {getattr(predicate, '__name__', predicate)}")
         await asyncio.sleep(interval)
+
+
+def _pointer(path: str) -> list[str]:
+    """A JSON pointer (RFC 6901) as its unescaped segments: '/metadata/annotations/a~1b' -> [...]."""
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.split("/")[1:]] if path else []
+
+
+def _touched(body: Any) -> list[list[str]]:
+    """The paths a patch body writes: a merge patch's leaves, or a JSON patch's op paths
+    (``test`` writes nothing; ``move``/``copy`` also name their ``from``)."""
+    if isinstance(body, list):
+        paths = []
+        for op in body:
+            if not isinstance(op, dict) or op.get("op") == "test":
+                continue
+            paths.append(_pointer(str(op.get("path", ""))))
+            if op.get("op") == "move":
+                paths.append(_pointer(str(op.get("from", ""))))
+        return paths
+
+    def leaves(obj: Any, prefix: list[str]) -> list[list[str]]:
+        if isinstance(obj, dict) and obj:
+            return [p for k, v in obj.items() for p in leaves(v, prefix + [k])]
+        return [prefix]
+    return leaves(body, [])
+
+
+def assert_operator_never_wrote_spec(writes: list[dict[str, Any]]) -> None:
+    """Every write to an InferenceService made with the operator's credentials is a patch (merge
+    or JSON patch) of the status subresource that touches only ``status``, or a patch of kopf's
+    own metadata (annotations under kopf.serving.kvfleet.dev, finalizers, the resourceVersion
+    kopf's JSON patches carry). Anything else — the ``/scale`` subresource (it writes
+    ``spec.replicas``), PUT or POST, a path under ``spec`` or the whole object, another
+    subresource — fails, naming the write."""
+    ours = [w for w in writes if w["resource"] == api.PLURAL and w["auth"] == f"Bearer {OPERATOR_TOKEN}"]
+    assert ours, "the operator wrote no status at all"
+    for w in ours:
+        assert w["method"] == "PATCH" and isinstance(w["data"], (dict, list)), w
+        assert w["subresource"] in (None, "status"), w
+        for path in _touched(w["data"]):
+            if path[:1] == ["metadata"] and path[1:2] == ["resourceVersion"]:
+                continue
+            if w["subresource"] == "status":
+                assert path[:1] == ["status"] and len(path) >= 1, (path, w)
+            elif path[:2] == ["metadata", "finalizers"]:
+                continue
+            else:
+                assert path[:2] == ["metadata", "annotations"] and len(path) >= 3 \
+                    and path[2].startswith("kopf.serving.kvfleet.dev"), (path, w)

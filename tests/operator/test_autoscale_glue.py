@@ -89,3 +89,30 @@ def test_simulation_smoke_conserves_requests_and_respects_bounds():
                          initial=3, startup_s=60, dt=1.0, queue_only=False)
     assert fixed.scale_events == 0
     assert fixed.peak_replicas == 3 and fixed.replica_hours >= 3 * hours * 0.99  # plus the final drain
+
+
+def test_simulation_models_victims_drain_cuts_and_the_first_pass_hold():
+    sim = _load_sim()
+    fig = dict(sim.MEASURED_FIGURES)
+    scale = 0.025 / fig["step_fit_seconds"]["a"]
+    fig["step_fit_seconds"] = {k: v * scale for k, v in fig["step_fit_seconds"].items()}
+    fig["prefill_seconds_per_token"] *= scale
+    policy = AutoscalingPolicy(min_replicas=1, max_replicas=6, scale_down_stabilization_seconds=60)
+    args = (1.0 * 3600, 40.0, 2, 1000, 256)
+    n = sim.make_trace(*args).arrival.size
+    runs = {v: sim.simulate(v, sim.make_trace(*args), fig, policy=policy, initial=1, startup_s=60, dt=1.0,
+                            queue_only=False, victim=v, drain_timeout_s=2.0) for v in ("drain-aware", "random")}
+    for r in runs.values():
+        assert len(r.queue_delays) == n  # cut requests are still counted (queued until the cut)
+        assert r.victims >= 1 and r.drain_seconds > 0
+    with pytest.raises(ValueError, match="victim"):
+        sim.simulate("x", sim.make_trace(*args), fig, policy=policy, initial=1, startup_s=60, dt=1.0,
+                     queue_only=False, victim="oldest")
+
+    from kvfleet_operator.autoscale import History, PodMetrics, PodObservation, decide
+    pods = [PodObservation("a", True, 1000, False, PodMetrics(0.5, 20.0, 1.0)),
+            PodObservation("s", False, 10)]
+    d = decide(policy, 2, pods, History((), -1e4), 0.0)
+    assert d.direction == "up" and d.starting == 1  # counted, still scales: ceil(1 × 4) = 4 > 1 + 1
+    held = sim.first_pass_hold(d, policy)
+    assert held.desired_replicas == 2 and not held.changed and held.code == "ReplicasStarting"

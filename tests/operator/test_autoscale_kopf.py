@@ -13,7 +13,7 @@ import yaml
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.registry import Collector
 
-from kmock_support import running_operator, wait_for
+from kmock_support import OPERATOR_TOKEN, assert_operator_never_wrote_spec, running_operator, wait_for
 from kvfleet_operator import api as isvc_api
 
 SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
@@ -134,12 +134,11 @@ async def test_autoscaler_scales_deployment_writes_status_and_events_and_stops_o
             events = await _events(api, name)
             assert any(ev["message"].startswith("scaled 2→1:") and ev["reason"] == "ScaledDown" for ev in events)
 
-            # The user's spec was never written by the operator.
+            # The user's spec was never written by the operator: not its value, and no write with
+            # the operator's credentials that could touch it (/scale, JSON patch, PUT, ...).
             live = await api.get(AV, PL, "default", name)
             assert live["spec"] == spec_before
-            assert not [w for w in emulator.writes
-                        if w["resource"] == PL and w["method"] != "POST" and w["subresource"] is None
-                        and "spec" in (w["data"] or {})]
+            assert_operator_never_wrote_spec(emulator.writes)
 
             # Delete the InferenceService: its loop stops scraping.
             await api.delete(AV, PL, "default", name)
@@ -220,3 +219,96 @@ async def test_unreadable_pod_does_not_block_then_all_unreadable_holds_then_disa
             await wait_for(lambda: _eq(replicas, 1), timeout=20)
     finally:
         good.close()
+
+
+async def test_starting_pod_counts_as_capacity_end_to_end(api, emulator):
+    """Two loaded Ready pods + one starting pod, maxReplicas 4: the Deployment goes to 4 and the
+    Event names the counted starting pod; with a load the starting pod covers: no change."""
+    ends = [MetricEndpoint() for _ in range(4)]
+    try:
+        async with running_operator(*MODULES):
+            labels = {}
+            for name in ("hot", "warm"):
+                obj = autoscaled(name)
+                obj["spec"]["autoscaling"].update(minReplicas=3, maxReplicas=4)
+                await api.create(AV, PL, "default", obj)
+                dep = await wait_for(lambda: api.get("apps/v1", "deployments", "default", name))
+                assert dep["spec"]["replicas"] == 3  # minReplicas
+                labels[name] = dep["spec"]["template"]["metadata"]["labels"]
+            # hot: queue 20 per Ready pod (target 5): r = ceil(2 × 4) = 8 -> maxReplicas 4 > 2 + 1.
+            # warm: queue 7 per Ready pod: r = ceil(2 × 1.4) = 3 = 2 Ready + 1 starting.
+            for e, waiting in zip(ends, (20, 20, 7, 7)):
+                e.set(kv=1.0 if waiting == 20 else 0.5, waiting=waiting)
+            for name in ("hot", "warm"):  # the starting pods first: no tick sees only the Ready ones
+                await api.create("v1", "pods", "default", pod(f"{name}-2", labels[name], 1, ready=False))
+            for i, (name, e) in enumerate(zip(("hot", "hot", "warm", "warm"), ends)):
+                await api.create("v1", "pods", "default", pod(f"{name}-{i % 2}", labels[name], e.port, ready=True))
+
+            async def replicas(name) -> int:
+                return (await api.get("apps/v1", "deployments", "default", name))["spec"]["replicas"]
+
+            async def status(name) -> dict:
+                return (await api.get(AV, PL, "default", name)).get("status") or {}
+
+            await wait_for(lambda: _eq(lambda: replicas("hot"), 4), timeout=20)
+            st = await wait_for(lambda: _status_with(lambda: status("hot"), "lastScaleTime"))
+            expected = "scaled 3→4: waiting requests 20.0/replica > target 5; 1 starting counted (hot-2)"
+            assert st["autoscaling"]["message"] == expected and st["desiredReplicas"] == 4
+            (event,) = await wait_for(lambda: _events(api, "hot"))
+            assert event["reason"] == "ScaledUp" and event["message"] == expected
+
+            async def covered():
+                auto = (await status("warm")).get("autoscaling") or {}
+                return auto if "covered by" in (auto.get("message") or "") else None
+            auto = await wait_for(covered, timeout=20)
+            assert auto["reason"] == "ReplicasStarting"
+            assert "recommendation 3 covered by 2 Ready + 1 starting counted (warm-2)" in auto["message"]
+            scrapes = ends[2].scrapes.count
+            await wait_for(lambda: ends[2].scrapes.count >= scrapes + 3, timeout=20)  # three more ticks
+            assert await replicas("warm") == 3 and await replicas("hot") == 4
+            assert not await _events(api, "warm")
+
+            # Every write with the operator's credentials: the user's spec untouched, the
+            # Deployments' writes after creation only their replicas.
+            assert_operator_never_wrote_spec(emulator.writes)
+            ours = [w for w in emulator.writes if w["auth"] == f"Bearer {OPERATOR_TOKEN}"]
+            assert [w["data"] for w in ours if w["resource"] == "deployments" and w["method"] == "PATCH"] \
+                == [{"spec": {"replicas": 4}}]
+            assert not [w for w in ours if w["resource"] == "pods"]  # no scale-down: no pod written
+    finally:
+        for e in ends:
+            e.close()
+
+
+def test_the_spec_write_check_sees_every_form_of_write():
+    """assert_operator_never_wrote_spec itself: what it must refuse, and kopf's writes it allows."""
+    def w(data, subresource=None, method="PATCH", token=OPERATOR_TOKEN):
+        return {"method": method, "resource": PL, "namespace": "default", "name": "x",
+                "subresource": subresource, "data": data, "auth": f"Bearer {token}"}
+    kopf_writes = [
+        w({"status": {"autoscaling": {"reason": "LoadLow"}}}, "status"),
+        w([{"op": "test", "path": "/metadata/resourceVersion", "value": "1"},
+           {"op": "add", "path": "/metadata/finalizers", "value": ["serving.kvfleet.dev/kopf-finalizer"]}]),
+        w({"metadata": {"annotations": {"kopf.serving.kvfleet.dev/last-handled-configuration": "{}"}}}),
+        w([{"op": "replace", "path": "/status/desiredReplicas", "value": 3}], "status"),
+        w({"spec": {"replicas": 9}}, token="someone-else"),  # not the operator's credentials
+    ]
+    assert_operator_never_wrote_spec(kopf_writes)
+    for bad in (
+        w({"spec": {"replicas": 3}}, "scale"),
+        w({"status": {"replicas": 3}}, "scale"),  # any /scale write is a spec.replicas write
+        w({"spec": {"replicas": 3}}),
+        w([{"op": "replace", "path": "/spec/replicas", "value": 3}]),
+        w([{"op": "replace", "path": "", "value": {}}]),
+        w([{"op": "move", "from": "/spec/replicas", "path": "/metadata/annotations/kopf.serving.kvfleet.dev~1x"}]),
+        w({"spec": {"replicas": 3}, "status": {}}, "status"),
+        w([{"op": "add", "path": "/spec/autoscaling/enabled", "value": True}], "status"),
+        w({"metadata": {"annotations": {"example.com/owner": "me"}}}),
+        w({"apiVersion": AV, "kind": "InferenceService", "spec": {}}, method="PUT"),
+        w({"metadata": {"name": "x"}, "spec": {}}, method="POST"),
+    ):
+        try:
+            assert_operator_never_wrote_spec(kopf_writes + [bad])
+        except AssertionError:
+            continue
+        raise AssertionError(f"not caught: {bad}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from kmock_support import OPERATOR_TOKEN, running_operator, wait_for
+from kmock_support import assert_operator_never_wrote_spec, running_operator, wait_for
 from kvfleet_operator import api as isvc_api
 
 SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
@@ -106,29 +106,12 @@ async def test_sample_creates_children_and_status(api, emulator, features_landed
     expected["engine"]["tensorParallelSize"] = 8
     expected["resources"]["gpus"] = 8
     assert final["spec"] == expected
-    _assert_operator_never_wrote_spec(emulator)
+    assert_operator_never_wrote_spec(emulator.writes)
 
 
 async def _with_status(api, name):
     o = await api.get(AV, PL, "default", name)
     return o if o and (o.get("status") or {}).get("url") else None
-
-
-def _assert_operator_never_wrote_spec(emulator):
-    """The operator (its kubeconfig token) sent InferenceServices only status patches and metadata
-    patches of kopf's own annotations/finalizers."""
-    ours = [w for w in emulator.writes if w["resource"] == PL and w["auth"] == f"Bearer {OPERATOR_TOKEN}"]
-    assert ours, "the operator wrote no status at all"
-    for w in ours:
-        assert w["method"] == "PATCH" and isinstance(w["data"], dict), w
-        if w["subresource"] == "status":
-            assert set(w["data"]) <= {"status", "metadata"}
-        else:
-            assert w["subresource"] is None and set(w["data"]) <= {"metadata"}, w
-            meta = w["data"]["metadata"]
-            assert set(meta) <= {"annotations", "finalizers", "resourceVersion"}
-            for key in meta.get("annotations") or {}:
-                assert key.startswith("kopf.serving.kvfleet.dev"), key
 
 
 async def test_unrealisable_spec_is_degraded_and_creates_nothing(api, emulator):

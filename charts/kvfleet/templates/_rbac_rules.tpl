@@ -32,7 +32,9 @@ Rules on namespaced resources: in the ClusterRole (all namespaces) or a Role per
 - inferenceservices/status: conditions, observedGeneration, replicas, url, autoscaling.
 - deployments, services, poddisruptionbudgets: the children, read, created, patched, deleted.
 - pods: list, for the autoscaler to scrape each ready serving pod's /metrics and for the reconcile to
-  report failing pods; watch, so that a pod failure reaches the status at once.
+  report failing pods; watch, so that a pod failure reaches the status at once; patch, for the
+  controller.kubernetes.io/pod-deletion-cost annotation set before a scale-down (the only pod
+  writes: the ReplicaSet then removes the idlest pods).
 - events: the autoscaler's Kubernetes Events on InferenceServices (scale decisions).
 - kopfpeerings (named namespaces, peering on): as clusterkopfpeerings above, per namespace.
 Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not the operator.
@@ -55,7 +57,7 @@ Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not 
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch"]
+  verbs: ["list", "watch", "patch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
