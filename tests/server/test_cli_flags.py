@@ -44,14 +44,25 @@ def test_flags_reach_engine_config():
 @pytest.mark.parametrize("args", [
     ["--tensor-parallel-size", "2"],
     ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
-    ["--quantization", "awq"],
-    ["--kv-cache-dtype", "fp8"],
 ])
 def test_unbuilt_features_are_refused_at_start(args):
     out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--port", "1", *args], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode != 0
     assert "not supported yet" in out.stderr
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--quantization", "awq"], "quantization='awq' (an already-quantized checkpoint format"),
+    (["--quantization", "fp4"], "quantization='fp4'; expected one of ['fp8', 'int8', 'int4', 'gguf']"),
+    (["--model", "/models/llama-dir", "--quantization", "gguf"], "quantization='gguf' needs a .gguf model file"),
+    (["--kv-cache-dtype", "fp8_e3m4"], "kv_cache_dtype='fp8_e3m4'; expected one of ['auto', 'fp8', 'fp8_e4m3'"),
+])
+def test_refused_quantization_exits_2_naming_the_field(args, text):
+    out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--port", "1", *args], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-500:]
+    assert text in out.stderr
 
 
 def test_bad_values_name_the_flag():
