@@ -158,8 +158,9 @@ class GGUFLinearMethod(QuantMethod):
             w = layer.weight if rows is None else layer.weight[rows]
             return w.to(dtype)
         if kind == "q4":
-            if rows is None:
-                return int4_layout.dequantize(layer, dtype)
+            if rows is None or layer.int4_cpu_kernel:  # the kernel's packing has no row gather
+                w = int4_layout.dequantize(layer, dtype)
+                return w if rows is None else w[rows]
             sub = _RowView(layer.qweight[rows], layer.scales[rows], layer.mins[rows], layer)
             return int4_layout.dequantize(sub, dtype)
         if layer.q8_grouped:

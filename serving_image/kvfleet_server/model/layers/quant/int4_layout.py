@@ -5,12 +5,13 @@ Two kernels, chosen by activation dtype at load:
 - bfloat16 / float16 on the CPU: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (the tinygemm CPU
   kernel). Its convention, checked against the float formula in tests: w = (q − 8) · scale + zero,
   so scale = s and zero = m + 8·s, packed as ``scales_and_zeros [K/32, N, 2]`` in the activation dtype.
-- float32, or any other device: q kept as nibbles ``[N, K/2] uint8`` with s and m in float32; each
+- float32, N not divisible by 16 (the packing's limit), or any other device: q kept as nibbles ``[N, K/2] uint8`` with s and m in float32; each
   matmul dequantizes exactly the formula above (bit-identical to ``gguf.dequantize`` for Q4_0/Q4_1)
   and calls ``F.linear``. The CPU kernel is not vectorized for float32 (measured ~20× slower than a
   dense float32 matmul), so float32 takes this exact path.
-K not divisible by 32 is padded at load with zero weights to the next multiple of 32, and the
-activations are zero-padded per call (counted in ``weight_bytes``).
+K not divisible by 32 is padded at load with zero weights (before quantization) to the next multiple
+of 32, and the activations are zero-padded per call, so the padding contributes nothing (its bytes
+count in ``weight_bytes``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def pad_k(k: int, group: int = GROUP) -> int:
     return -(-k // group) * group
 
 
-def use_cpu_kernel(device: torch.device, act_dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and act_dtype in (torch.bfloat16, torch.float16)
+def use_cpu_kernel(device: torch.device, act_dtype: torch.dtype, n: int = 16) -> bool:
+    """The CPU kernels run bf16/fp16 activations; the int4 packing also needs N divisible by 16."""
+    return device.type == "cpu" and act_dtype in (torch.bfloat16, torch.float16) and n % 16 == 0
 
 
 def store(layer, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, act_dtype: torch.dtype) -> None:
@@ -34,7 +36,7 @@ def store(layer, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, act_dtype: t
     (Kp a multiple of 32, already padded)."""
     N, Kp = q.shape
     layer.int4_k_padded = Kp
-    layer.int4_cpu_kernel = use_cpu_kernel(q.device, act_dtype)
+    layer.int4_cpu_kernel = use_cpu_kernel(q.device, act_dtype, N)
     if layer.int4_cpu_kernel:
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
         sz = torch.stack([s.t(), (m + 8 * s).t()], dim=-1).to(act_dtype).contiguous()  # [Kp/32, N, 2]
