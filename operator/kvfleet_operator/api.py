@@ -335,6 +335,10 @@ class InferenceServiceSpec(_Model):
         g, tp = self.resources.gpus, self.engine.tensor_parallel_size
         if g is not None and g < tp and not (g == 0 and tp == 1):
             raise ValueError(f"spec.resources.gpus ({g}) must be >= spec.engine.tensorParallelSize ({tp})")
+        uri = self.model.uri
+        if self.engine.quantization == "gguf" and not (uri.endswith(".gguf") or uri == "bundled://smollm2"):
+            raise ValueError(f"spec.engine.quantization gguf needs a .gguf model file (or bundled://smollm2), "
+                             f"got spec.model.uri {uri!r}")
         return self
 
     @property
