@@ -9,7 +9,7 @@ directory (``evaluate.export_float_checkpoint``): fp32 / bf16 run it unquantized
 quantize it at load; "gguf" serves the .gguf file itself, packed. When llama-cpp-python is
 importable (not a project dependency), llama.cpp's decode speed on the same .gguf is added.
 
-    python benchmarks/quantization.py                      # everything (~20 min on a shared 2-core CPU)
+    python benchmarks/quantization.py                      # everything (an hour on a busy shared 2-core CPU)
     python benchmarks/quantization.py --methods fp32,int8 --windows 2 --throughput-prompts 8
 """
 
@@ -28,12 +28,12 @@ METHODS = {
     # name: (model source, EngineConfig overrides)
     "fp32": ("float", dict(dtype="float32")),
     "bf16": ("float", dict(dtype="bfloat16")),
-    "fp8": ("float", dict(quantization="fp8")),  # dtype auto: float32 activations on CPU (weight-only)
+    "gguf": ("gguf", dict()),  # the default for a .gguf file: packed, bfloat16 activations
     "int8": ("float", dict(quantization="int8")),  # dtype auto: bfloat16 activations
     "int4": ("float", dict(quantization="int4")),
-    "gguf": ("gguf", dict()),  # the default for a .gguf file: packed, bfloat16 activations
-    "gguf-fp32": ("gguf", dict(dtype="float32")),  # packed, exact float32 path
+    "fp8": ("float", dict(quantization="fp8")),  # dtype auto: float32 activations on CPU (weight-only)
     "fp32+kv-fp8": ("float", dict(dtype="float32", kv_cache_dtype="fp8")),
+    "gguf-fp32": ("gguf", dict(dtype="float32")),  # packed, exact float32 path
     "bf16+kv-fp8": ("float", dict(dtype="bfloat16", kv_cache_dtype="fp8")),
 }
 
@@ -138,6 +138,7 @@ def main(argv=None) -> int:
             ref = {"scores": scores, "tokens": toks, "perplexity": r["perplexity"]}
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("greedy", "throughput_runs")}), flush=True)
+        _write(args, prompts, results, None)  # partial results survive an interrupted run
     base = {r["method"]: r for r in results}
     for r in results:
         for b in ("fp32", "bf16"):
@@ -157,6 +158,12 @@ def main(argv=None) -> int:
               f"{r.get('throughput_vs_fp32', 1):>7.2f}{r.get('throughput_vs_bf16', float('nan')):>7.2f}"
               f"{r['batch1_tok_s']:>9.1f}{r.get('batch1_vs_bf16', float('nan')):>7.2f}")
     print("llama.cpp:", llama_cpp)
+    _write(args, prompts, results, llama_cpp)
+    print("wrote", args.out)
+    return 0
+
+
+def _write(args, prompts, results, llama_cpp) -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": args.threads,
@@ -165,8 +172,6 @@ def main(argv=None) -> int:
                                 "throughput_prompts": len(prompts), "output_len": args.output_len,
                                 "kv_cache_memory_bytes": args.kv_bytes},
                    "results": results, "llama_cpp": llama_cpp}, f, indent=1)
-    print("wrote", args.out)
-    return 0
 
 
 if __name__ == "__main__":
