@@ -70,7 +70,7 @@ class EngineConfig:
             (raised to max_num_seqs if smaller).
         enable_prefix_caching: reuse KV of identical prompt prefixes (issue 7).
         quantization: None (a float checkpoint in ``dtype``; a .gguf file is served packed, i.e.
-            "gguf") | "fp8" | "int8" | "int4" (quantized at load) | "gguf" (see docs/quantization.md).
+            "gguf", unless dtype is "float32") | "fp8" | "int8" | "int4" (quantized at load) | "gguf" (see docs/quantization.md).
         kv_cache_dtype: "auto" (= the model dtype) | "fp8" (= "fp8_e4m3") | "fp8_e5m2".
         seed: seeds the RNG used for requests without their own seed.
         max_logprobs: most log-probabilities a request may ask for per token (logprobs, top_logprobs,
@@ -154,10 +154,13 @@ class EngineConfig:
         return self.device
 
     def resolved_quantization(self) -> str | None:
-        """The quantization method that runs: ``quantization``, else "gguf" for a .gguf model file."""
+        """The quantization method that runs: ``quantization``; else "gguf" (packed) for a .gguf model file
+        unless ``dtype`` asks for float32, which dequantizes the file to float32 as before (exact, dense
+        matmuls; ``quantization="gguf"`` with float32 keeps it packed and dequantizes per matmul)."""
         if self.quantization is not None:
             return self.quantization
-        return "gguf" if self.resolved_model().endswith(".gguf") else None
+        packed = self.resolved_model().endswith(".gguf") and self.dtype != "float32"
+        return "gguf" if packed else None
 
     def resolved_dtype(self):
         """"auto": bfloat16 on CUDA; on CPU bfloat16 for int8 / int4 / gguf weights (their CPU kernels
