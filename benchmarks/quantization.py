@@ -33,7 +33,7 @@ METHODS = {
     "int4": ("float", dict(quantization="int4")),
     "fp8": ("float", dict(quantization="fp8")),  # dtype auto: float32 activations on CPU (weight-only)
     "fp32+kv-fp8": ("float", dict(dtype="float32", kv_cache_dtype="fp8")),
-    "gguf-fp32": ("gguf", dict(dtype="float32")),  # packed, exact float32 path
+    "gguf-fp32": ("gguf", dict(dtype="float32", quantization="gguf")),  # packed, exact float32 path
     "bf16+kv-fp8": ("float", dict(dtype="bfloat16", kv_cache_dtype="fp8")),
 }
 

@@ -17,7 +17,7 @@ import time
 
 import httpx
 
-CONFIGS = {"default (packed GGUF, bf16)": [], "packed GGUF, --dtype float32": ["--dtype", "float32"],
+CONFIGS = {"default (packed GGUF, bf16)": [], "--quantization gguf --dtype float32": ["--quantization", "gguf", "--dtype", "float32"],
            "--quantization fp8 --kv-cache-dtype fp8": ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]}
 
 

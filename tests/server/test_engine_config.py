@@ -34,6 +34,7 @@ def test_dtype_defaults_on_cpu():
     assert bundled.resolved_quantization() == "gguf" and bundled.resolved_dtype() == torch.bfloat16
     assert EngineConfig(device="cpu", model="/m/dir", quantization="int4").resolved_dtype() == torch.bfloat16
     assert EngineConfig(device="cpu", dtype="float32").resolved_dtype() == torch.float32
+    assert EngineConfig(device="cpu", dtype="float32").resolved_quantization() is None  # dequantized, as before
     assert EngineConfig(device="cpu", dtype="bfloat16").resolved_dtype() == torch.bfloat16
     with pytest.raises(UnsupportedFeatureError, match="float16 on CPU"):
         EngineConfig(device="cpu", dtype="float16")  # refused at validation, before the server binds its port

@@ -5,7 +5,9 @@ change, greedy agreement. Kept small for the suite (2 windows × 256 tokens, 8 p
 benchmarks/quantization.py measures the full set (docs/quantization.md).
 
 Targets (issue 11): fp8 weights ≤ +2% perplexity, fp8 KV cache ≤ +1%, int8 ≤ +1%; the packed GGUF
-in float32 gives the dequantized path's log-probs within 1e-3 (measured: identical). Also asserted,
+in float32 gives the dequantized path's log-probs within 1e-3 (measured: identical). On these windows
+fp8 weights measured +3.0% and the fp8 KV cache +1.8%: those two targets are NOT met, and their bounds
+below are the measured values with a margin (regression guards, not the issue's targets). Also asserted,
 kvfleet's own bounds from the measurements: int4 ≤ +5% (a second 4-bit rounding of Q4_1 weights),
 packed GGUF with bfloat16 activations (the default) ≤ +1%.
 """
@@ -91,7 +93,7 @@ def test_method_memory_and_accuracy_against_float32(name, float_dir, gguf_path, 
 def test_packed_gguf_float32_matches_the_dequantized_path(gguf_path, windows, reference):
     """The Q4_1 file served packed (float32 activations: the exact path) vs its dequantized float32
     weights: per-token log-probs within 1e-3 and the same greedy tokens."""
-    llm = _llm(gguf_path, dtype="float32")
+    llm = _llm(gguf_path, dtype="float32", quantization="gguf")
     assert llm.engine.quantization == "gguf" and llm.engine.weight_bytes < 115e6
     scores, toks = _run(llm, windows)
     assert loglik_change(scores, reference["scores"]).max_abs <= 1e-3
