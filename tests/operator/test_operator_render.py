@@ -401,7 +401,7 @@ def test_enums_match_what_the_server_supports():
     assert set(get_args(fields["kv_cache_dtype"].annotation)) == set(KV_CACHE_DTYPE_CHOICES)
 
 
-def test_fp8_sample_quantization_flags_are_accepted():
+def test_fp8_sample_quantization_flags_are_accepted(features_landed):
     """The 70B FP8 sample's --quantization fp8 --kv-cache-dtype fp8 pass the server's validation (its
     --tensor-parallel-size 4 waits for tensor parallelism, a separate issue)."""
     import pathlib
