@@ -152,9 +152,13 @@ class EngineConfig(_Model):
                                   "(the chart's servingImage.pullPolicy).")
     dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
         default="auto", description="Weights and activations dtype (--dtype).")
-    quantization: Literal["none", "fp8", "int8", "gguf"] = Field(
-        default="none", description="Weight quantization (--quantization; none renders no flag).")
-    kv_cache_dtype: Literal["auto", "fp8"] = Field(default="auto", description="KV cache dtype (--kv-cache-dtype).")
+    quantization: Literal["none", "fp8", "int8", "int4", "gguf"] = Field(
+        default="none", description="Weight quantization (--quantization; none renders no flag: the checkpoint's "
+                                    "dtype, a .gguf file served packed). fp8/int8/int4 quantize a float checkpoint "
+                                    "at load; gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 tensors packed.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        default="auto", description="KV cache dtype (--kv-cache-dtype): auto = the model dtype; fp8 (= fp8_e4m3) "
+                                    "or fp8_e5m2 store K and V in 8 bits with per-layer scales.")
     tensor_parallel_size: Literal[1, 2, 4, 8] = Field(
         default=1, description="GPUs one replica shards the model over (--tensor-parallel-size).")
     gpu_memory_utilization: float = Field(
@@ -331,6 +335,10 @@ class InferenceServiceSpec(_Model):
         g, tp = self.resources.gpus, self.engine.tensor_parallel_size
         if g is not None and g < tp and not (g == 0 and tp == 1):
             raise ValueError(f"spec.resources.gpus ({g}) must be >= spec.engine.tensorParallelSize ({tp})")
+        uri = self.model.uri
+        if self.engine.quantization == "gguf" and not (uri.endswith(".gguf") or uri == "bundled://smollm2"):
+            raise ValueError(f"spec.engine.quantization gguf needs a .gguf model file (or bundled://smollm2), "
+                             f"got spec.model.uri {uri!r}")
         return self
 
     @property

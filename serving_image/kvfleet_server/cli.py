@@ -147,11 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'vllm': request defaults are vLLM's own and generation_config.json is not read "
                         "(vLLM's default 'auto' and a folder are refused: not supported yet)")
     m.add_argument("--dtype", default="auto",
-                   help="weights/activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, float16 "
-                        "(GPU only), bfloat16")
+                   help="weights/activation dtype: auto (float32 on CPU, bfloat16 on CUDA and for int8/int4/gguf "
+                        "weights on CPU), float32, float16 (GPU only), bfloat16")
     m.add_argument("--quantization", "-q", default=None,
-                   help="weight quantization method: gguf (a .gguf file, dequantized at load); others are "
-                        "refused (default: none)")
+                   help="weight quantization: fp8, int8, int4 (a float checkpoint quantized at load) or gguf "
+                        "(a .gguf file kept packed; the default for .gguf files unless --dtype float32); see "
+                        "docs/quantization.md")
     m.add_argument("--seed", type=int, default=0, help="random seed of the engine")
     m.add_argument("--max-logprobs", type=int, default=_engine_default("max_logprobs"),
                    help="most log-probabilities per token a request may ask for (logprobs, top_logprobs, "
@@ -183,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM: no CUDA graphs. kvfleet always runs eagerly (it captures no CUDA graphs), so "
                         "this is what it does anyway")
     e.add_argument("--kv-cache-dtype", default="auto",
-                   help="KV-cache dtype: auto (= the model dtype); others are refused")
+                   help="KV-cache dtype: auto (= the model dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer K/V "
+                        "scales)")
     e.add_argument("--num-threads", type=_positive_int, default=None,
                    help="intra-op threads of the engine on CPU (default: usable CPUs - 1, respecting the "
                         "affinity set and a cgroup CPU limit; OMP_NUM_THREADS also sets it)")

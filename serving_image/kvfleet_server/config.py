@@ -17,6 +17,16 @@ BUNDLED_MODEL_ALIASES = ("smollm2",)
 BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB (vLLM's VLLM_CPU_KVCACHE_SPACE default is 4 GiB)
 MAX_DEFAULT_MODEL_LEN = 8192
+#: --quantization values the engine runs (model/layers/quant/); None = the checkpoint's own dtype, or
+#: "gguf" (packed) for a .gguf file
+QUANTIZATION_CHOICES = ("fp8", "int8", "int4", "gguf")
+#: formats of already-quantized checkpoints that vLLM accepts and kvfleet does not load
+UNSUPPORTED_QUANTIZED_FORMATS = ("awq", "gptq", "compressed-tensors", "bitsandbytes", "awq_marlin", "gptq_marlin",
+                                 "marlin", "aqlm", "hqq", "eetq", "exl2", "fbgemm_fp8", "modelopt", "quark",
+                                 "torchao", "mxfp4", "bitnet", "deepspeedfp", "experts_int8", "ptpc_fp8")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+#: methods whose CPU kernels are vectorized for bfloat16 activations: dtype "auto" picks bfloat16 on CPU
+BF16_CPU_METHODS = ("int8", "int4", "gguf")
 
 
 def bundled_model_path() -> str:
@@ -59,6 +69,9 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (decodes + prefill chunks); None → 2048
             (raised to max_num_seqs if smaller).
         enable_prefix_caching: reuse KV of identical prompt prefixes (issue 7).
+        quantization: None (a float checkpoint in ``dtype``; a .gguf file is served packed, i.e.
+            "gguf", unless dtype is "float32") | "fp8" | "int8" | "int4" (quantized at load) | "gguf" (see docs/quantization.md).
+        kv_cache_dtype: "auto" (= the model dtype) | "fp8" (= "fp8_e4m3") | "fp8_e5m2".
         seed: seeds the RNG used for requests without their own seed.
         max_logprobs: most log-probabilities a request may ask for per token (logprobs, top_logprobs,
             prompt_logprobs); -1 means the vocabulary size (vLLM's --max-logprobs, default 20).
@@ -100,6 +113,19 @@ class EngineConfig:
         refused = engine_refusals(self.settings())
         if refused:
             raise UnsupportedFeatureError(refused[0].message(self.settings()))
+        q = self.quantization
+        if q is not None and q not in QUANTIZATION_CHOICES:
+            why = (" (an already-quantized checkpoint format; kvfleet loads float checkpoints, quantized at load, "
+                   "and GGUF files)" if q in UNSUPPORTED_QUANTIZED_FORMATS else "")
+            raise UnsupportedFeatureError(
+                f"not supported: quantization={q!r}{why}; expected one of {list(QUANTIZATION_CHOICES)}")
+        if q == "gguf" and self.model and self.model.lower() not in BUNDLED_MODEL_ALIASES \
+                and not self.model.endswith(".gguf"):
+            raise UnsupportedFeatureError(
+                f"not supported: quantization='gguf' needs a .gguf model file, got model={self.model!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise UnsupportedFeatureError(
+                f"not supported: kv_cache_dtype={self.kv_cache_dtype!r}; expected one of {list(KV_CACHE_DTYPE_CHOICES)}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -127,12 +153,24 @@ class EngineConfig:
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
 
+    def resolved_quantization(self) -> str | None:
+        """The quantization method that runs: ``quantization``; else "gguf" (packed) for a .gguf model file
+        unless ``dtype`` asks for float32, which dequantizes the file to float32 as before (exact, dense
+        matmuls; ``quantization="gguf"`` with float32 keeps it packed and dequantizes per matmul)."""
+        if self.quantization is not None:
+            return self.quantization
+        packed = self.resolved_model().endswith(".gguf") and self.dtype != "float32"
+        return "gguf" if packed else None
+
     def resolved_dtype(self):
+        """"auto": bfloat16 on CUDA; on CPU bfloat16 for int8 / int4 / gguf weights (their CPU kernels
+        are vectorized for bfloat16 activations only), else float32."""
         import torch
 
         name = self.dtype
         if name == "auto":
-            name = "bfloat16" if self.resolved_device() == "cuda" else "float32"
+            cpu_bf16 = self.resolved_quantization() in BF16_CPU_METHODS
+            name = "bfloat16" if self.resolved_device() == "cuda" or cpu_bf16 else "float32"
         refused = engine_refusals(self.settings(dtype=name, device=self.resolved_device()))
         if refused:
             raise UnsupportedFeatureError(refused[0].message(self.settings(dtype=name)))

@@ -25,7 +25,8 @@ class SamplingParams:
         seed: per-request RNG seed; the same seed gives the same tokens whatever else is batched.
         presence_penalty, frequency_penalty: OpenAI penalties in [-2, 2] over generated tokens.
         repetition_penalty: CTRL/HF-style multiplicative penalty (> 0; 1 disables) over prompt + output.
-        max_tokens: maximum generated tokens per completion (None: up to max_model_len).
+        max_tokens: maximum generated tokens per completion (None: up to max_model_len; 0: the prompt is
+            computed, e.g. for prompt_logprobs, and nothing is generated).
         min_tokens: EOS and stop_token_ids are suppressed until this many tokens are generated.
         ignore_eos: keep generating after EOS (EOS is emitted but does not stop).
         stop: strings that end generation; matched across token boundaries and excluded from text.
@@ -92,8 +93,9 @@ class SamplingParams:
             bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", f"must be greater than 0, got {self.repetition_penalty}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            bad("max_tokens", f"must be at least 0 (0: compute the prompt only, e.g. for prompt_logprobs), "
+                              f"got {self.max_tokens}")
         if self.min_tokens < 0:
             bad("min_tokens", f"must be non-negative, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -373,3 +373,51 @@ def test_pull_secrets_and_service_account_reach_the_pods():
     assert pod["automountServiceAccountToken"] is False
     plain = render.render(isvc(HF)).deployment["spec"]["template"]["spec"]
     assert "imagePullSecrets" not in plain and "serviceAccountName" not in plain
+
+
+@pytest.mark.parametrize("quantization, kv", [("int4", "fp8_e5m2"), ("int8", "fp8_e4m3"), ("gguf", "auto"),
+                                              ("fp8", "fp8")])
+def test_quantization_fields_render_flags_the_server_accepts(quantization, kv):
+    """engine.quantization / engine.kvCacheDtype: every enum value renders a flag kvfleet-server's
+    EngineConfig accepts (no refusal)."""
+    from kvfleet_server.cli import build_parser, engine_config
+
+    model = {"uri": "bundled://smollm2"} if quantization == "gguf" else HF["model"]
+    args = container(render.render(isvc({"model": model, "engine": {"quantization": quantization,
+                                                                     "kvCacheDtype": kv}})))["args"]
+    assert flag(args, "--quantization") == quantization and flag(args, "--kv-cache-dtype") == kv
+    cfg = engine_config(build_parser().parse_args(args))
+    assert (cfg.quantization, cfg.kv_cache_dtype) == (quantization, kv)
+
+
+def test_enums_match_what_the_server_supports():
+    from typing import get_args
+
+    from kvfleet_operator.api import EngineConfig as EngineSpec
+    from kvfleet_server.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+
+    fields = EngineSpec.model_fields
+    assert set(get_args(fields["quantization"].annotation)) == {"none", *QUANTIZATION_CHOICES}
+    assert set(get_args(fields["kv_cache_dtype"].annotation)) == set(KV_CACHE_DTYPE_CHOICES)
+
+
+def test_fp8_sample_quantization_flags_are_accepted(features_landed):
+    """The 70B FP8 sample's --quantization fp8 --kv-cache-dtype fp8 pass the server's validation (its
+    --tensor-parallel-size 4 waits for tensor parallelism, a separate issue)."""
+    import pathlib
+
+    import yaml
+
+    from kvfleet_server.config import EngineConfig
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    obj = yaml.safe_load((root / "crds" / "samples" / "llama-3.3-70b-instruct-fp8-tp4.yaml").read_text())
+    args = container(render.render(obj))["args"]
+    assert flag(args, "--quantization") == "fp8" and flag(args, "--kv-cache-dtype") == "fp8"
+    EngineConfig(model=flag(args, "--model"), quantization="fp8", kv_cache_dtype="fp8")
+
+
+def test_gguf_quantization_of_a_non_gguf_model_is_an_invalid_spec():
+    with pytest.raises(render.Unrealisable) as err:
+        render.render(isvc({**HF, "engine": {"quantization": "gguf"}}))
+    assert err.value.reason == "InvalidSpec" and "spec.engine.quantization gguf needs a .gguf" in err.value.message

@@ -44,14 +44,25 @@ def test_flags_reach_engine_config():
 @pytest.mark.parametrize("args", [
     ["--tensor-parallel-size", "2"],
     ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
-    ["--quantization", "awq"],
-    ["--kv-cache-dtype", "fp8"],
 ])
 def test_unbuilt_features_are_refused_at_start(args):
     out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--port", "1", *args], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode != 0
     assert "not supported yet" in out.stderr
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--quantization", "awq"], "quantization='awq' (an already-quantized checkpoint format"),
+    (["--quantization", "fp4"], "quantization='fp4'; expected one of ['fp8', 'int8', 'int4', 'gguf']"),
+    (["--model", "/models/llama-dir", "--quantization", "gguf"], "quantization='gguf' needs a .gguf model file"),
+    (["--kv-cache-dtype", "fp8_e3m4"], "kv_cache_dtype='fp8_e3m4'; expected one of ['auto', 'fp8', 'fp8_e4m3'"),
+])
+def test_refused_quantization_exits_2_naming_the_field(args, text):
+    out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--port", "1", *args], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2, out.stderr[-500:]
+    assert text in out.stderr
 
 
 def test_bad_values_name_the_flag():
@@ -103,12 +114,14 @@ VLLM_COMMAND_LINES = [
      "--max-logprobs 50 --root-path /llm --allowed-origins '[\"https://chat.example\"]'", None),
     ("--model /models/llama --enforce-eager --enable-chunked-prefill --disable-log-stats --generation-config vllm "
      "--served-model-name llama llama-3.1 --block-size 16 --no-enable-prefix-caching", None),
-    ("--model /models/llama --max-num-seqs 512 --max-queue-len 100 --shutdown-timeout 60 -q gguf", None),
+    ("--model /models/llama.Q4_1.gguf --max-num-seqs 512 --max-queue-len 100 --shutdown-timeout 60 -q gguf", None),
     ("--model /models/llama-70b --tensor-parallel-size 4 --gpu-memory-utilization 0.95", "--tensor-parallel-size"),
     ("--model /models/llama-70b -tp 2", "--tensor-parallel-size"),
     ("--model /models/llama --pipeline-parallel-size 2", "--pipeline-parallel-size"),
-    ("--model /models/llama-70b --quantization fp8 --max-model-len 32768", "--quantization"),
-    ("--model /models/llama --kv-cache-dtype fp8", "--kv-cache-dtype"),
+    ("--model /models/llama-70b --quantization fp8 --max-model-len 32768", None),
+    ("--model /models/llama --kv-cache-dtype fp8", None),
+    ("--model /models/llama --quantization awq", "quantization='awq'"),
+    ("--model /models/llama --kv-cache-dtype fp8_e3m4", "kv_cache_dtype='fp8_e3m4'"),
     ("--model /models/llama --speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":5,"
      "\"prompt_lookup_max\":4}'", "--speculative-config"),
     ("--model /models/llama --revision 0e9e39f249a16976918f6564b8830bc894c89659", "--revision"),

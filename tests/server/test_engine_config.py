@@ -26,8 +26,15 @@ def test_bundled_model_aliases():
 
 
 def test_dtype_defaults_on_cpu():
-    cfg = EngineConfig(device="cpu")
+    cfg = EngineConfig(device="cpu", model="/models/some-hf-dir")
     assert cfg.resolved_device() == "cpu" and cfg.resolved_dtype() == torch.float32
+    assert EngineConfig(device="cpu", model="/m/dir", quantization="fp8").resolved_dtype() == torch.float32
+    # packed int8/int4/GGUF kernels are vectorized for bfloat16 activations: auto picks bfloat16
+    bundled = EngineConfig(device="cpu")
+    assert bundled.resolved_quantization() == "gguf" and bundled.resolved_dtype() == torch.bfloat16
+    assert EngineConfig(device="cpu", model="/m/dir", quantization="int4").resolved_dtype() == torch.bfloat16
+    assert EngineConfig(device="cpu", dtype="float32").resolved_dtype() == torch.float32
+    assert EngineConfig(device="cpu", dtype="float32").resolved_quantization() is None  # dequantized, as before
     assert EngineConfig(device="cpu", dtype="bfloat16").resolved_dtype() == torch.bfloat16
     with pytest.raises(UnsupportedFeatureError, match="float16 on CPU"):
         EngineConfig(device="cpu", dtype="float16")  # refused at validation, before the server binds its port

@@ -17,11 +17,12 @@ BS = 4
 PER_BLOCK = BS * 2 * 2 * 2 * 16 * 4  # bytes of one block of the tiny Llama (float32)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_random_requests_and_aborts_leave_no_leak(tiny_engine_factory, seed):
+@pytest.mark.parametrize("seed, kv_cache_dtype", [(0, "auto"), (1, "auto"), (2, "auto"), (0, "fp8")])
+def test_random_requests_and_aborts_leave_no_leak(tiny_engine_factory, seed, kv_cache_dtype):
     rng = random.Random(seed)
-    eng = tiny_engine_factory(block_size=BS, kv_cache_memory_bytes=20 * PER_BLOCK, max_num_batched_tokens=16,
-                              max_num_seqs=6, enable_prefix_caching=True)
+    ratio = 4 if kv_cache_dtype == "fp8" else 1  # fp8 blocks take a quarter of float32's bytes
+    eng = tiny_engine_factory(block_size=BS, kv_cache_memory_bytes=20 * PER_BLOCK // ratio, max_num_batched_tokens=16,
+                              max_num_seqs=6, enable_prefix_caching=True, kv_cache_dtype=kv_cache_dtype)
     assert eng.kv.num_blocks == 20
     shared = [rng.randrange(100, 40000) for _ in range(rng.randint(3, 13))]
     submitted, aborted, finished = set(), set(), {}

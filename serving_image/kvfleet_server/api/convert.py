@@ -66,6 +66,10 @@ def completion_sampling_params(req: CompletionRequest, max_logprobs: int = 20) -
     if req.best_of is not None and req.best_of != req.n:
         raise UnsupportedFeatureError(f"not supported yet: best_of different from n (best_of={req.best_of}, n={req.n})",
                                       param="best_of")
+    if req.max_tokens is not None and req.max_tokens < (0 if req.echo else 1):
+        raise InvalidRequestError(
+            f"max_tokens must be at least 1 (0 only with echo: true, to score the prompt), got {req.max_tokens}",
+            param="max_tokens")
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_logprobs = req.logprobs if prompt_logprobs is None else max(prompt_logprobs, req.logprobs)

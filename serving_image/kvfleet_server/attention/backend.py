@@ -89,7 +89,10 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (new tokens);
         k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] (written in place).
+        kv_scales: None for a cache in the model dtype; for an FP8 cache the layer's float32 [2]
+        (k_scale, v_scale), 0 until calibrated (see ``kv_quant``).
         Returns [T, num_heads, head_dim]."""

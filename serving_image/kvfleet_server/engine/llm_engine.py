@@ -18,10 +18,12 @@ import time
 import torch
 
 from ..attention import get_attention_backend
+from ..attention.kv_quant import kv_cache_torch_dtype
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, MAX_DEFAULT_MODEL_LEN, EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from ..errors import InvalidRequestError, PromptTooLongError
 from .kv_cache import KVCacheManager
+from ..model.layers.quant import model_weight_bytes, quantization_note
 from ..model.loader import is_gguf, load_model, load_model_config, open_gguf
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..executor.model_runner import ModelRunner, kv_bytes_per_token
@@ -76,8 +78,13 @@ class LLMEngine:
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={model_max}"
             )
         max_len = config.max_model_len or min(model_max, MAX_DEFAULT_MODEL_LEN)
+        self.quantization = config.resolved_quantization()
         self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=max_len,
-                                                   reader=reader)
+                                                   reader=reader, quantization=self.quantization)
+        #: bytes of the weights as stored (packed/quantized formats included; rope tables excluded)
+        self.weight_bytes = model_weight_bytes(self.model)
+        logger.info("weights: %s, %.1f MiB, activations %s%s", self.quantization or "unquantized",
+                    self.weight_bytes / 2**20, self.dtype, quantization_note(self.quantization, self.device))
         lap("weights")
         arch = None
         if reader is not None and config.tokenizer in (None, path):
@@ -89,7 +96,8 @@ class LLMEngine:
         self.model_name = config.resolved_served_name()
         self.block_size = bs = config.block_size
         mc = self.model_config
-        per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.dtype)
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.kv_cache_dtype)
         self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         if self.device == "cuda" and config.kv_cache_memory_bytes is None:
             kv_bytes = self._profile_cuda_kv_bytes()
@@ -112,13 +120,14 @@ class LLMEngine:
         self.max_model_len = max_len
         logger.info(
             "KV cache: %d blocks × %d tokens (%.1f MiB, %s); max_model_len=%d; max concurrency at max_model_len: %.2fx",
-            self.num_blocks, bs, self.num_blocks * bs * per_token / 2**20, self.dtype, max_len, capacity / max_len,
+            self.num_blocks, bs, self.num_blocks * bs * per_token / 2**20, self.kv_cache_dtype, max_len,
+            capacity / max_len,
         )
         self.kv = KVCacheManager(self.num_blocks, bs)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.num_blocks, bs, self.device, self.dtype,
-                                  get_attention_backend(self.device))
+                                  get_attention_backend(self.device), self.kv_cache_dtype)
         lap("kv_cache allocation")
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
@@ -272,9 +281,14 @@ class LLMEngine:
 
         rows: list[int] = []
         seqs: list[Sequence] = []
+        touched: dict[str, Request] = {}
         for i in samplers:
             seq = scheduled[i].seq
             req = seq.request
+            if req.max_tokens == 0:  # prompt scoring (echo + max_tokens 0): the prompt is computed, nothing sampled
+                self._finish_without_sampling(req, seq)
+                touched[req.request_id] = req
+                continue
             rows.append(batch.last_row[i])
             seqs.append(seq)
             if not req.forked:  # n > 1: the prompt is computed once, then the samples share its blocks
@@ -286,7 +300,6 @@ class LLMEngine:
                     self.scheduler.add_running(child)
                     rows.append(batch.last_row[i])
                     seqs.append(child)
-        touched: dict[str, Request] = {}
         if rows:
             logits = self.runner.compute_logits(batch.hidden[torch.tensor(rows, device=batch.hidden.device)])
             tokens, lps = sample(logits, [self._sample_row(s) for s in seqs])
@@ -308,6 +321,18 @@ class LLMEngine:
         return outputs
 
     # --- helpers -------------------------------------------------------------------------------
+    def _finish_without_sampling(self, req: Request, seq: Sequence) -> None:
+        """max_tokens 0: every one of the n completions ends empty with finish_reason "length"."""
+        req.forked = True
+        for k in range(1, req.params.n):
+            self._new_sequence(req, k, list(seq.token_ids))
+        for s in req.seqs:
+            if not s.is_finished:
+                if s is seq:
+                    self.scheduler.remove(s)
+                s.status = SeqStatus.FINISHED
+                s.finish_reason = "length"
+
     def _sample_row(self, seq: Sequence) -> SampleRow:
         p = seq.request.params
         stop_ids: list[int] = []
@@ -407,12 +432,14 @@ class LLMEngine:
         − the activation peak of a forward pass over max_num_batched_tokens tokens (profile run)."""
         from .scheduler import Request as _R
 
+        kv_cache_dtype_torch = kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         T = min(self.max_num_batched_tokens, self.model_config.max_position_embeddings)
         nb = -(-T // self.block_size) + 1
-        tmp = ModelRunner(self.model, nb, self.block_size, self.device, self.dtype, get_attention_backend(self.device))
+        tmp = ModelRunner(self.model, nb, self.block_size, self.device, self.dtype, get_attention_backend(self.device),
+                          kv_cache_dtype_torch)
         req = _R("__profile__", None, [0] * T, SamplingParams(max_tokens=1), 0.0, 1)
         seq = Sequence(req, 0, [0] * T, None)
         tmp.execute([ScheduledSeq(seq, T)], {seq.seq_id: list(range(nb))})

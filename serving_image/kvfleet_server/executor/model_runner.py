@@ -1,19 +1,24 @@
 """ModelRunner: owns the KV cache tensors, turns a scheduled step into flat batch tensors + attention
 metadata, runs the model and returns hidden states / logits.
 
-KV cache tensors: for each layer a pair (K, V), each ``[num_blocks, block_size, num_kv_heads,
-head_dim]`` in the model dtype, zero-initialised (padding reads of unused slots are masked out but
-must not be NaN).
+KV cache tensors: for each layer a triple (K, V, kv_scales): K and V each ``[num_blocks, block_size,
+num_kv_heads, head_dim]`` in the KV-cache dtype (the model dtype, or float8 for ``--kv-cache-dtype
+fp8*``), zero-initialised (padding reads of unused slots are masked out but must not be NaN);
+kv_scales None, or for FP8 the layer's float32 [2] (k_scale, v_scale) (see attention/kv_quant.py).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from ..attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
+from ..attention.kv_quant import HEADROOM, is_fp8
 from ..engine.scheduler import ScheduledSeq
+
+logger = logging.getLogger("kvfleet.engine")
 
 # Decode grouping: sequences sorted by context length are split when padding would waste more than
 # this fraction of a group's gathered K/V (and the group already has a few members).
@@ -46,19 +51,31 @@ class StepBatch:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: str,
-                 dtype: torch.dtype, backend: AttentionBackend):
+                 dtype: torch.dtype, backend: AttentionBackend, kv_cache_dtype: torch.dtype | None = None):
         cfg = model.config
         self.model = model
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_cache_dtype = kv_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = backend
         shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        ckpt_scales = getattr(model, "kv_cache_scales", {}) or {}
+        self._kv_calibration_pending = is_fp8(kv_dtype) and len(ckpt_scales) < cfg.num_hidden_layers
+
+        def scales(i: int) -> torch.Tensor | None:
+            if not is_fp8(kv_dtype):
+                return None
+            return torch.tensor(ckpt_scales.get(i, (0.0, 0.0)), dtype=torch.float32, device=self.device)
+
         self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in range(cfg.num_hidden_layers)
+            (torch.zeros(shape, dtype=kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=kv_dtype, device=self.device), scales(i))
+            for i in range(cfg.num_hidden_layers)
         ]
+        if is_fp8(kv_dtype) and ckpt_scales:
+            logger.info("KV cache %s: k/v scales of %d layers from the checkpoint", kv_dtype, len(ckpt_scales))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src in every layer's K and V."""
@@ -66,7 +83,9 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for k, v in self.kv_caches:
+        for k, v, _ in self.kv_caches:
+            if is_fp8(k.dtype):  # index kernels do not take float8: copy the bytes
+                k, v = k.view(torch.uint8), v.view(torch.uint8)
             k[dst] = k[src]
             v[dst] = v[src]
 
@@ -146,7 +165,17 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(dec), decode_groups=groups,
                                  prefills=prefills)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if self._kv_calibration_pending:
+            self._log_kv_calibration()
         return StepBatch(hidden, last_row, chunk_rows)
+
+    def _log_kv_calibration(self) -> None:
+        """Once, after the first step: the FP8 KV scales computed from the first prefill."""
+        self._kv_calibration_pending = False
+        s = torch.stack([kv[2] for kv in self.kv_caches]).cpu()
+        logger.info("KV cache %s: k/v scales calibrated from the first prefill's absmax x%.0f headroom: "
+                    "k_scale %.3g..%.3g, v_scale %.3g..%.3g over %d layers", self.kv_cache_dtype, HEADROOM,
+                    s[:, 0].min(), s[:, 0].max(), s[:, 1].min(), s[:, 1].max(), len(self.kv_caches))
 
     @torch.inference_mode()
     def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:

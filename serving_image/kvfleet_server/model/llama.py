@@ -14,6 +14,9 @@ from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from .config import ModelConfig
+from .layers.embedding import VocabEmbedding
+from .layers.linear import Linear
+from .layers.quant import QuantConfig
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -33,8 +36,9 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, quant_config: QuantConfig | None = None):
         super().__init__()
+        qc = quant_config or QuantConfig(None, torch.get_default_dtype())
         self.layer_idx = layer_idx
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -44,10 +48,15 @@ class DecoderLayer(nn.Module):
         self.scale = self.head_dim**-0.5
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        pre = f"layers.{layer_idx}."
+        self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.attention_bias,
+                               quant_method=qc.linear_method(pre + "qkv_proj"), prefix=pre + "qkv_proj")
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, quant_method=qc.linear_method(pre + "o_proj"),
+                             prefix=pre + "o_proj")
+        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                   quant_method=qc.linear_method(pre + "gate_up_proj"), prefix=pre + "gate_up_proj")
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size,
+                                quant_method=qc.linear_method(pre + "down_proj"), prefix=pre + "down_proj")
         self.intermediate_size = cfg.intermediate_size
 
     def forward(self, h, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
@@ -58,7 +67,7 @@ class DecoderLayer(nn.Module):
         q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
         k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_scales=kv_cache[2])
         h = h + self.o_proj(attn.reshape(T, self.q_size))
         x = self.post_attention_layernorm(h)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -67,18 +76,21 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM. ``forward`` returns final hidden states [T, hidden]; ``compute_logits``
-    projects selected rows to the vocabulary in float32 ([N, vocab])."""
+    projects selected rows to the vocabulary in float32 ([N, vocab]).
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+    ``quant_config`` picks each projection's storage and kernel (loader.load_model builds it from
+    --quantization); the layers below never branch on the format."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, quant_config: QuantConfig | None = None):
         super().__init__()
         self.config = cfg
-        # Weights come from a checkpoint (loader.load_model); an explicit tensor skips Embedding's normal_()
-        # init, which on the meta device imports torch._dynamo (~1 s of cold start).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        qc = quant_config or QuantConfig(None, torch.get_default_dtype())
+        # weights come from a checkpoint (loader.load_model): parameters are allocated uninitialized
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, qc.embedding_method())
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qc) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, quant_method=qc.lm_head_method(), prefix="lm_head")
         self.init_rope(max_positions or cfg.max_position_embeddings)
 
     def init_rope(self, max_positions: int, device=None) -> None:
@@ -102,8 +114,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64. kv_caches[i] = (K, V) of layer i, each
-        [num_blocks, block_size, num_kv_heads, head_dim]. Returns hidden states [T, hidden]."""
+        """input_ids, positions: [T] int64. kv_caches[i] = (K, V, kv_scales) of layer i, K and V each
+        [num_blocks, block_size, num_kv_heads, head_dim], kv_scales None or float32 [2] for an FP8
+        cache. Returns hidden states [T, hidden]."""
         h = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
@@ -113,8 +126,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] → logits [N, vocab] float32."""
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        head = self.embed_tokens.project if self.lm_head is None else self.lm_head
+        return head(hidden).float()
 
 
 MODEL_REGISTRY = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM}

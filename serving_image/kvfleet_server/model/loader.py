@@ -1,9 +1,12 @@
 """Load a Llama-family model from a Hugging Face directory (config.json + safetensors, sharded or
-not) or from a single GGUF file (metadata + tensors dequantized with the ``gguf`` package).
+not) or from a single GGUF file (metadata + tensors, kept packed or dequantized with the ``gguf`` package).
 
 Weights end up equal to what transformers loads from the same files: for llama GGUFs the
 Q/K row permutation applied by llama.cpp's converter is reversed (as transformers'
-``LlamaTensorProcessor`` does).
+``LlamaTensorProcessor`` does; on packed tensors the rows, i.e. output channels, are permuted whole).
+
+Loading goes through each parameter's ``weight_loader`` (fused q/k/v and gate/up arrive as shards),
+then every ``Linear``'s quant method converts its weights (``process_weights_after_loading``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import torch
 from ..errors import UnsupportedFeatureError
 from . import MODEL_REGISTRY, ModelConfig
 from .config import SUPPORTED_ARCHITECTURES
+from .layers.linear import Linear
+from .layers.quant import QuantConfig, refuse_checkpoint_quantization
+from .layers.quant.gguf import PACKED_TYPES, GGUFTensor
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +47,9 @@ def read_hf_config(model_dir: str) -> ModelConfig:
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"expected config.json in model directory {model_dir!r}")
     with open(cfg_path) as f:
-        return ModelConfig.from_hf_dict(json.load(f))
+        raw = json.load(f)
+    refuse_checkpoint_quantization(raw, model_dir)
+    return ModelConfig.from_hf_dict(raw)
 
 
 def read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
@@ -67,12 +75,24 @@ def read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def hf_to_kvfleet(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map HF parameter names to kvfleet's (fusing q/k/v and gate/up)."""
+def hf_kv_cache_scales(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[int, tuple[float, float]]:
+    """Per-layer FP8 KV-cache scales of a checkpoint (``self_attn.k_scale`` / ``v_scale``, vLLM's and
+    llm-compressor's names): {layer: (k_scale, v_scale)}; empty when the checkpoint has none."""
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        a = f"model.layers.{i}.self_attn."
+        k, v = t.get(a + "k_scale"), t.get(a + "v_scale")
+        if k is not None and v is not None:
+            out[i] = (float(k.float().max()), float(v.float().max()))
+    return out
+
+
+def hf_to_kvfleet(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, list]:
+    """Map HF parameter names to kvfleet's: {name: [tensor]} or, for fused layers, the list of shards."""
     get = _getter(t, "HF checkpoint")
-    out = {"embed_tokens.weight": get("model.embed_tokens.weight"), "norm.weight": get("model.norm.weight")}
+    out = {"embed_tokens.weight": [get("model.embed_tokens.weight")], "norm.weight": [get("model.norm.weight")]}
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = t.get("lm_head.weight", out["embed_tokens.weight"])
+        out["lm_head.weight"] = [t.get("lm_head.weight", out["embed_tokens.weight"][0])]
     for i in range(cfg.num_hidden_layers):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
         layer = {
@@ -191,7 +211,9 @@ def _reverse_llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def read_gguf_tensors(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def read_gguf_tensors(reader, cfg: ModelConfig, packed: bool = False) -> dict[str, torch.Tensor | GGUFTensor]:
+    """Tensors of a GGUF file: float32 (dequantized), or with ``packed`` a ``GGUFTensor`` in its file
+    encoding for the types the gguf quant method keeps packed (Q4_0, Q4_1, Q8_0)."""
     from gguf import dequantize
 
     out = {}
@@ -202,6 +224,14 @@ def read_gguf_tensors(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
                 f"not supported yet: GGUF tensor type {t.tensor_type.name} for {t.name}; "
                 f"expected one of {list(GGUF_DEQUANT_TYPES)}"
             )
+        if packed and t.tensor_type.name in PACKED_TYPES and t.data.ndim == 2:
+            raw = t.data
+            if llama and ".attn_q." in t.name:
+                raw = _reverse_llama_permute(raw, cfg.num_attention_heads)
+            elif llama and ".attn_k." in t.name:
+                raw = _reverse_llama_permute(raw, cfg.num_key_value_heads)
+            out[t.name] = GGUFTensor(t.tensor_type.name, raw, (int(t.shape[1]), int(t.shape[0])))
+            continue
         w = dequantize(t.data, t.tensor_type)
         if llama and ".attn_q." in t.name:
             w = _reverse_llama_permute(w, cfg.num_attention_heads)
@@ -213,11 +243,11 @@ def read_gguf_tensors(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return out
 
 
-def gguf_to_kvfleet(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def gguf_to_kvfleet(cfg: ModelConfig, t: dict) -> dict[str, list]:
     get = _getter(t, "GGUF file")
-    out = {"embed_tokens.weight": get("token_embd.weight"), "norm.weight": get("output_norm.weight")}
+    out = {"embed_tokens.weight": [get("token_embd.weight")], "norm.weight": [get("output_norm.weight")]}
     if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = get("output.weight")
+        out["lm_head.weight"] = [get("output.weight")]
     for i in range(cfg.num_hidden_layers):
         b = f"blk.{i}."
         layer = {
@@ -244,22 +274,31 @@ def _getter(t: dict[str, torch.Tensor], where: str):
     return get
 
 
-def _layer_params(i: int, p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _layer_params(i: int, p: dict) -> dict[str, list]:
+    """kvfleet names of one decoder layer → its checkpoint tensors (fused layers: one per shard)."""
     pre = f"layers.{i}."
     out = {
-        pre + "qkv_proj.weight": torch.cat([p["q"], p["k"], p["v"]], 0),
-        pre + "o_proj.weight": p["o"],
-        pre + "gate_up_proj.weight": torch.cat([p["gate"], p["up"]], 0),
-        pre + "down_proj.weight": p["down"],
-        pre + "input_layernorm.weight": p["in_norm"],
-        pre + "post_attention_layernorm.weight": p["post_norm"],
+        pre + "qkv_proj.weight": [p["q"], p["k"], p["v"]],
+        pre + "o_proj.weight": [p["o"]],
+        pre + "gate_up_proj.weight": [p["gate"], p["up"]],
+        pre + "down_proj.weight": [p["down"]],
+        pre + "input_layernorm.weight": [p["in_norm"]],
+        pre + "post_attention_layernorm.weight": [p["post_norm"]],
     }
     if "qb" in p:
-        out[pre + "qkv_proj.bias"] = torch.cat([p["qb"], p["kb"], p["vb"]], 0)
+        out[pre + "qkv_proj.bias"] = [p["qb"], p["kb"], p["vb"]]
     return out
 
 
-def _check_shapes(cfg: ModelConfig, params: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+def _shape(shards: list) -> tuple[int, ...]:
+    """Shape of the concatenation of shards along the output rows."""
+    shapes = [tuple(s.shape) for s in shards]
+    if len(shapes) == 1:
+        return shapes[0]
+    return (sum(s[0] for s in shapes), *shapes[0][1:]) if len({s[1:] for s in shapes}) == 1 else tuple(shapes)
+
+
+def _check_shapes(cfg: ModelConfig, params: dict[str, list]) -> None:
     """Compare each source tensor with what the architecture expects (shapes given in HF [out, in])."""
     d, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
@@ -277,7 +316,7 @@ def _check_shapes(cfg: ModelConfig, params: dict[str, torch.Tensor], model: torc
         if cfg.attention_bias:
             expected[pre + "qkv_proj.bias"] = (q + 2 * kv,)
     for name, shape in expected.items():
-        got = tuple(params[name].shape)
+        got = _shape(params[name])
         if got != shape:
             raise ModelLoadError(
                 f"tensor {name} has shape {list(got)}, expected {list(shape)} for {cfg.architecture} "
@@ -298,34 +337,81 @@ def load_model_config(path: str, reader=None) -> ModelConfig:
     raise ModelLoadError(f"expected a model directory with config.json or a .gguf file, got {path!r}")
 
 
-def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | None = None, reader=None):
+def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | None = None, reader=None,
+               quantization: str | None = None):
     """Load weights into kvfleet's model.
 
     ``reader``: an already parsed GGUF (``open_gguf(path)``) to reuse instead of parsing ``path`` again.
+    ``quantization``: None (model dtype), "fp8" | "int8" | "int4" (quantized at load from the float
+    weights; a GGUF file is dequantized first), or "gguf" (a .gguf file's Q4_0/Q4_1/Q8_0 tensors kept packed).
 
-    Returns (model in eval mode on ``device`` with ``dtype`` weights, ModelConfig).
+    Returns (model in eval mode on ``device`` with ``dtype`` activations, ModelConfig); the model's
+    ``kv_cache_scales`` holds the checkpoint's FP8 KV-cache scales per layer ({} when none).
     Raises ModelLoadError (missing file or tensor, wrong shape) or UnsupportedFeatureError
-    (unknown architecture, tensor type or rope scaling).
+    (unknown architecture, tensor type or rope scaling, an already-quantized checkpoint format,
+    gguf quantization of a non-GGUF model).
     """
+    kv_scales: dict[int, tuple[float, float]] = {}
     if is_gguf(path):
         reader = reader if reader is not None else open_gguf(path)
         cfg = read_gguf_config(reader)
-        params = gguf_to_kvfleet(cfg, read_gguf_tensors(reader, cfg))
+        params = gguf_to_kvfleet(cfg, read_gguf_tensors(reader, cfg, packed=quantization == "gguf"))
     elif os.path.isdir(path):
+        if quantization == "gguf":
+            raise UnsupportedFeatureError(
+                f"not supported: quantization='gguf' needs a .gguf model file, got the directory {path!r}")
         cfg = read_hf_config(path)
-        params = hf_to_kvfleet(cfg, read_hf_tensors(path))
+        tensors = read_hf_tensors(path)
+        kv_scales = hf_kv_cache_scales(cfg, tensors)
+        params = hf_to_kvfleet(cfg, tensors)
+        del tensors
     else:
         raise ModelLoadError(f"expected a model directory with config.json or a .gguf file, got {path!r}")
     if cfg.architecture not in MODEL_REGISTRY:
         raise UnsupportedFeatureError(
             f"not supported yet: architecture {cfg.architecture}; expected one of {list(SUPPORTED_ARCHITECTURES)}"
         )
-    _check_shapes(cfg, params, None)
-    with torch.device("meta"):
-        model = MODEL_REGISTRY[cfg.architecture](cfg, max_positions=1)
-    model = model.to_empty(device=device).to(dtype=dtype)
-    model.load_state_dict(params, strict=True)
+    _check_shapes(cfg, params)
+    model = _build(cfg, dtype, device, QuantConfig(quantization, dtype))
+    _load_weights(model, params)
+    del params
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.process_weights_after_loading()
     model.init_rope(max_positions or cfg.max_position_embeddings, device)
+    model.kv_cache_scales = kv_scales
     model.eval()
     return model, cfg
+
+
+def _build(cfg: ModelConfig, dtype: torch.dtype, device: str, qc: QuantConfig) -> torch.nn.Module:
+    """The model with uninitialized parameters in ``dtype`` on ``device`` (no init kernels run)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = MODEL_REGISTRY[cfg.architecture](cfg, max_positions=1, quant_config=qc)
+    finally:
+        torch.set_default_dtype(old)
+    return model
+
+
+def _load_weights(model: torch.nn.Module, params: dict[str, list]) -> None:
+    """Copy each checkpoint tensor into its parameter through the parameter's ``weight_loader``
+    (shard i of a fused layer into its rows). Every parameter must be covered."""
+    own = dict(model.named_parameters())
+    missing = sorted(set(own) - set(params))
+    if missing:
+        raise ModelLoadError(f"expected checkpoint tensors for {missing[:5]}; they are missing")
+    with torch.no_grad():
+        for name, shards in params.items():
+            param = own[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.copy_(shards[0])
+            elif len(shards) == 1:
+                loader(param, shards[0])
+            else:
+                for i, shard in enumerate(shards):
+                    loader(param, shard, i)
 

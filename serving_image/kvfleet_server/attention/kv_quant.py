@@ -1,0 +1,51 @@
+"""FP8 KV cache: K and V stored as 8-bit floats with one scale per layer for K and one for V
+(vLLM's ``--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2``; fp8 means e4m3).
+
+Stored value = clamp(x / scale, ±max) as float8; read value = stored · scale in the model dtype.
+Scales come from the checkpoint (``self_attn.k_scale`` / ``v_scale``) or, when it has none, from the
+first tokens written to the layer (the engine's first prefill): scale = absmax · HEADROOM / max,
+fixed from then on so that cached blocks (prefix caching, copy-on-write, recompute after
+preemption) always decode with the scale they were written with. Later values beyond the headroom
+saturate at ±max.
+
+Per layer the scales live in a float32 tensor [2] = (k_scale, v_scale); 0 means "not calibrated yet".
+"""
+
+from __future__ import annotations
+
+import torch
+
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+#: calibration headroom over the first prefill's absmax (e4m3 keeps ~3 significant bits at any
+#: magnitude, so headroom costs little precision and guards against later, larger values)
+HEADROOM = 4.0
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """"auto" → the model dtype; fp8 names → their float8 dtype. Raises ValueError for another name."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be auto or one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def calibrate(scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: torch.dtype) -> None:
+    """Set an uncalibrated layer's (k_scale, v_scale) from the absmax of its first K/V rows
+    ([T, kv_heads, head_dim] each), with HEADROOM."""
+    fmax = torch.finfo(fp8).max
+    absmax = torch.stack([k.detach().abs().amax(), v.detach().abs().amax()]).float()
+    scales.copy_((absmax * HEADROOM / fmax).clamp(min=1e-8))
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:
+    fmax = torch.finfo(fp8).max
+    return (x.float() / scale).clamp_(-fmax, fmax).to(fp8)
+
+
+def dequantize(x8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x8.to(dtype) * scale.to(dtype)

@@ -1,0 +1,142 @@
+"""The one ``Linear`` of kvfleet's models: y = x Wᵀ + b with W stored however its ``QuantMethod`` says.
+
+Shape after vLLM's ``LinearBase`` + ``LinearMethodBase`` (vllm/model_executor/layers/linear.py):
+the layer knows its logical sizes and its fused output shards (q/k/v, gate/up); the quant method
+owns the parameters (``create_weights``), turns loaded checkpoint tensors into its kernel's layout
+(``process_weights_after_loading``) and runs the matmul (``apply``). Every parameter carries a
+``weight_loader(param, loaded, shard_id)`` that copies one checkpoint tensor into its rows, so the
+model code never branches on the format.
+
+Tensor parallelism (a later issue) slots in here: column-/row-parallel variants pass their shard's
+sizes to ``create_weights`` and slice the loaded tensor in the same ``weight_loader``; parameters
+are tagged with ``output_dim`` / ``input_dim`` (which axis is the output channel / input channel,
+or None when not sliceable), so per-channel scales and zero points follow their rows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def set_weight_attrs(param: torch.Tensor, **attrs) -> None:
+    """Attach loading metadata (``weight_loader``, ``output_dim``, ``input_dim``) to a parameter."""
+    for k, v in attrs.items():
+        setattr(param, k, v)
+
+
+class QuantMethod(ABC):
+    """How one Linear stores and multiplies its weight.
+
+    Subclasses set ``name`` and implement the three hooks. A method that converts float weights
+    (fp8/int8/int4 "online" quantization) lets the default float ``create_weights`` and
+    ``weight_loader`` load the checkpoint, then quantizes in ``process_weights_after_loading``.
+    """
+
+    name = "abstract"
+    #: activation dtype the method's CPU kernel is vectorized for (None: any)
+    preferred_cpu_dtype: torch.dtype | None = None
+
+    def create_weights(self, layer: "Linear", input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype) -> None:
+        """Register ``layer.weight`` [sum(output_sizes), input_size] in ``params_dtype``; fused shards are
+        loaded into consecutive row ranges by ``weight_loader``."""
+        w = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+        set_weight_attrs(w, weight_loader=layer.weight_loader, output_dim=0, input_dim=1)
+        layer.register_parameter("weight", w)
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        """Convert the loaded weight into the kernel's layout (default: keep it)."""
+
+    @abstractmethod
+    def apply(self, layer: "Linear", x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [T, input_size] → [T, output_size] in x's dtype."""
+
+    def embedding(self, layer: "Linear", ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` [T] int64 of the weight as [T, input_size] (vocabulary embeddings)."""
+        return F.embedding(ids, layer.weight)
+
+    def weight_bytes(self, layer: "Linear") -> int:
+        """Bytes of the stored weight (and its scales / zero points); bias excluded."""
+        return sum(t.numel() * t.element_size() for n, t in _named_tensors(layer) if n != "bias")
+
+
+def _named_tensors(layer: nn.Module):
+    yield from layer.named_parameters(recurse=False)
+    yield from layer.named_buffers(recurse=False)
+
+
+class UnquantizedLinearMethod(QuantMethod):
+    """Weight stored in the model dtype; ``F.linear``."""
+
+    name = "unquantized"
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)
+
+
+class Linear(nn.Module):
+    """y = x Wᵀ + b over a flat token batch.
+
+    Args:
+        input_size: K, features in.
+        output_sizes: output rows of each fused shard (e.g. [q, k, v]); their sum is N.
+        bias: whether the layer has a bias [N] (kept in the model dtype whatever the method).
+        quant_method: storage + kernel; None → unquantized.
+        prefix: the layer's name in the model (``layers.3.qkv_proj``), for log and error messages.
+    Shapes: forward x [T, K] → [T, N].
+    """
+
+    def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False,
+                 quant_method: QuantMethod | None = None, params_dtype: torch.dtype | None = None,
+                 prefix: str = ""):
+        super().__init__()
+        self.input_size = input_size
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.output_size = sum(self.output_sizes)
+        self.prefix = prefix
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        dtype = params_dtype or torch.get_default_dtype()
+        self.quant_method.create_weights(self, input_size, self.output_sizes, dtype)
+        if bias:
+            b = nn.Parameter(torch.empty(self.output_size, dtype=dtype), requires_grad=False)
+            set_weight_attrs(b, weight_loader=self.weight_loader, output_dim=0, input_dim=None)
+            self.register_parameter("bias", b)
+        else:
+            self.register_parameter("bias", None)
+
+    def shard_offset(self, shard_id: int | None) -> tuple[int, int]:
+        """(first row, rows) of fused shard ``shard_id`` (None: the whole layer)."""
+        if shard_id is None:
+            return 0, self.output_size
+        return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        """Copy checkpoint tensor ``loaded`` into ``param``'s rows of shard ``shard_id`` along
+        ``param.output_dim`` (the whole parameter when the dim is None). Raises ValueError naming the
+        layer on a shape mismatch."""
+        dim = getattr(param, "output_dim", None)
+        target = param.data
+        if dim is not None:
+            start, size = self.shard_offset(shard_id)
+            target = target.narrow(dim, start, size)
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise ValueError(f"{self.prefix or 'Linear'}: checkpoint tensor of shape {list(loaded.shape)} does not fit "
+                             f"{'shard ' + str(shard_id) if shard_id is not None else 'parameter'} of shape "
+                             f"{list(target.shape)}")
+        target.copy_(loaded)
+
+    def process_weights_after_loading(self) -> None:
+        self.quant_method.process_weights_after_loading(self)
+
+    def weight_bytes(self) -> int:
+        return self.quant_method.weight_bytes(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_sizes}, quant={self.quant_method.name}"

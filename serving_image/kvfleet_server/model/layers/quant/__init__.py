@@ -1,0 +1,101 @@
+"""Weight quantization methods and the per-model choice of which layer gets which.
+
+``QuantConfig(method, act_dtype)`` hands each layer of the model its ``QuantMethod``:
+- None: every Linear unquantized (model dtype).
+- "fp8" / "int8" / "int4": every decoder Linear quantized at load from float weights; the
+  embedding and lm_head stay in the model dtype (as vLLM does for fp8).
+- "gguf": every Linear, the lm_head and the embedding keep their GGUF encoding (``gguf.py``).
+
+Checkpoint formats that are already quantized and not supported here are refused by name
+(``refuse_checkpoint_quantization``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ....config import QUANTIZATION_CHOICES as QUANTIZATION_METHODS
+from ....errors import UnsupportedFeatureError
+from ..linear import QuantMethod, UnquantizedLinearMethod
+#: methods that quantize float weights at load ("online"); gguf needs a .gguf file
+ONLINE_METHODS = ("fp8", "int8", "int4")
+
+
+class QuantConfig:
+    """Which QuantMethod each layer of a model gets.
+
+    Args:
+        method: None or one of QUANTIZATION_METHODS.
+        act_dtype: the model (activation) dtype.
+    """
+
+    def __init__(self, method: str | None, act_dtype: torch.dtype):
+        if method is not None and method not in QUANTIZATION_METHODS:
+            raise UnsupportedFeatureError(
+                f"not supported: quantization={method!r}; expected one of {list(QUANTIZATION_METHODS)}")
+        self.method = method
+        self.act_dtype = act_dtype
+
+    def linear_method(self, prefix: str = "") -> QuantMethod:
+        """Method of a decoder projection (qkv_proj, o_proj, gate_up_proj, down_proj)."""
+        if self.method == "fp8":
+            from .fp8 import Fp8LinearMethod
+            return Fp8LinearMethod(self.act_dtype)
+        if self.method == "int8":
+            from .int8 import Int8LinearMethod
+            return Int8LinearMethod(self.act_dtype)
+        if self.method == "int4":
+            from .int4 import Int4LinearMethod
+            return Int4LinearMethod(self.act_dtype)
+        if self.method == "gguf":
+            from .gguf import GGUFLinearMethod
+            return GGUFLinearMethod(self.act_dtype)
+        return UnquantizedLinearMethod()
+
+    def lm_head_method(self) -> QuantMethod:
+        return self.linear_method("lm_head") if self.method == "gguf" else UnquantizedLinearMethod()
+
+    def embedding_method(self) -> QuantMethod:
+        if self.method == "gguf":
+            from .gguf import GGUFLinearMethod
+            return GGUFLinearMethod(self.act_dtype, for_embedding=True)
+        return UnquantizedLinearMethod()
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's weights as stored: every parameter and persistent or packed buffer
+    (quantized weights, scales, zero points), excluding the rope cos/sin tables."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("rope_") or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def quantization_note(method: str | None, device: str) -> str:
+    """What the method's kernels do on ``device`` (for the start-up log line)."""
+    if method == "fp8":
+        if device == "cuda" and torch.cuda.get_device_capability() >= (8, 9):
+            return "; fp8 W8A8 through torch._scaled_mm (dynamic per-token activation scales)"
+        return ("; fp8 weight-only (FP8 storage, upcast per matmul): torch._scaled_mm needs CUDA compute "
+                "capability >= 8.9")
+    if method in ("int8", "int4", "gguf") and device == "cpu":
+        return "; CPU weight-only kernels (vectorized for bfloat16 activations)"
+    if method in ("int8", "int4", "gguf"):
+        return "; weight-only, dequantized per matmul on this device"
+    return ""
+
+
+def refuse_checkpoint_quantization(hf_config: dict, path: str) -> None:
+    """Raise UnsupportedFeatureError naming the format when a HF checkpoint is already quantized
+    (``quantization_config`` in config.json): kvfleet loads float checkpoints and GGUF files only."""
+    qc = hf_config.get("quantization_config")
+    if not qc:
+        return
+    fmt = str(qc.get("quant_method") or qc.get("format") or "unknown") if isinstance(qc, dict) else "unknown"
+    raise UnsupportedFeatureError(
+        f"not supported: checkpoint {path!r} is already quantized (quantization_config.quant_method={fmt!r}); "
+        f"kvfleet loads float (fp32/bf16/fp16) safetensors checkpoints, quantized at load with --quantization "
+        f"{'/'.join(ONLINE_METHODS)}, and GGUF files")

@@ -1,0 +1,68 @@
+"""``--quantization fp8``: weights of an unquantized checkpoint quantized at load to float8_e4m3fn
+with one scale per output channel: s[n] = max_k |w[n, k]| / 448, w8 = (w / s) as e4m3.
+
+Matmul:
+- CUDA with compute capability ≥ 8.9 (Ada, Hopper and later): ``torch._scaled_mm`` with dynamic
+  per-token activation scales (x8 = x / s_x, s_x[t] = max |x[t]| / 448) and the per-channel weight
+  scales ("row-wise" scaling, bfloat16 output); used when K and N are multiples of 16, else weight-only.
+  UNTESTED on a GPU in this repository (no GPU was available when it was written).
+- elsewhere, weight-only: FP8 storage (half of bf16's bytes, a quarter of fp32's), upcast to the
+  activation dtype per matmul, then y · s. The engine logs which path a run takes.
+Following vLLM's Fp8LinearMethod for unquantized checkpoints (dynamic scheme), with per-channel
+instead of per-tensor weight scales.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..linear import Linear, QuantMethod, set_weight_attrs
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+
+
+def quantize_per_channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float → (w8 [N, K] float8_e4m3fn, s [N] float32) with w ≈ w8 · s[:, None]."""
+    w = w.float()
+    s = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    return (w / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
+
+
+def cuda_supports_scaled_mm(device: torch.device) -> bool:
+    """True on CUDA devices with compute capability ≥ 8.9."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+class Fp8LinearMethod(QuantMethod):
+    name = "fp8"
+
+    def __init__(self, act_dtype: torch.dtype):
+        self.act_dtype = act_dtype
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        w8, s = quantize_per_channel_fp8(layer.weight.data)
+        del layer.weight
+        layer.register_buffer("qweight", w8, persistent=False)
+        set_weight_attrs(s, output_dim=0)
+        layer.register_buffer("weight_scale", s, persistent=False)
+        N, K = w8.shape
+        layer.fp8_scaled_mm = cuda_supports_scaled_mm(w8.device) and K % 16 == 0 and N % 16 == 0
+
+    def apply(self, layer, x, bias):
+        if layer.fp8_scaled_mm:
+            return _scaled_mm_rowwise(x, layer.qweight, layer.weight_scale, bias)
+        y = F.linear(x, layer.qweight.to(x.dtype)) * layer.weight_scale.to(x.dtype)
+        return y if bias is None else y + bias
+
+
+def _scaled_mm_rowwise(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """FP8 × FP8 GEMM with per-token (rows of x) and per-channel (rows of w) scales on sm ≥ 8.9."""
+    x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [T, 1]
+    x8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    y = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1).float(),
+                         out_dtype=torch.bfloat16)
+    y = y.to(x.dtype)
+    return y if bias is None else y + bias

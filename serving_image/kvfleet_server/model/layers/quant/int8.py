@@ -1,0 +1,47 @@
+"""``--quantization int8``: W8A16, one symmetric scale per output channel (weight-only).
+
+At load: s[n] = max_k |w[n, k]| / 127, q = round(w / s) clamped to [−127, 127] (int8).
+Matmul: ``torch.ops.aten._weight_int8pack_mm(x, q [N, K], s [N])`` on the CPU (vectorized for
+bfloat16 activations on x86; float32 works, slower); elsewhere the documented fallback
+dequantizes q · s to the activation dtype per matmul and calls ``F.linear``.
+Scales are per output row, so a column-parallel shard keeps its rows' scales (``output_dim=0``).
+Reference: gpt-fast's int8 weight-only quantization (pytorch-labs/gpt-fast, quantize.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..linear import Linear, QuantMethod, set_weight_attrs
+
+
+def quantize_per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float → (q [N, K] int8, s [N] float32) with w ≈ q · s[:, None]."""
+    w = w.float()
+    s = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, s
+
+
+class Int8LinearMethod(QuantMethod):
+    name = "int8"
+    preferred_cpu_dtype = torch.bfloat16
+
+    def __init__(self, act_dtype: torch.dtype):
+        self.act_dtype = act_dtype
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        q, s = quantize_per_channel_int8(layer.weight.data)
+        del layer.weight
+        layer.register_buffer("qweight", q, persistent=False)
+        scales = s.to(self.act_dtype)
+        set_weight_attrs(scales, output_dim=0)
+        layer.register_buffer("scales", scales, persistent=False)
+
+    def apply(self, layer, x, bias):
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), layer.qweight, layer.scales.to(x.dtype))
+        else:
+            y = F.linear(x, layer.qweight.to(x.dtype) * layer.scales.to(x.dtype)[:, None])
+        return y if bias is None else y + bias
