@@ -27,6 +27,7 @@ UNSUPPORTED_QUANTIZED_FORMATS = ("awq", "gptq", "compressed-tensors", "bitsandby
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 #: methods whose CPU kernels are vectorized for bfloat16 activations: dtype "auto" picks bfloat16 on CPU
 BF16_CPU_METHODS = ("int8", "int4", "gguf")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def bundled_model_path() -> str:
@@ -61,8 +62,8 @@ class EngineConfig:
         device: "auto" (CUDA when available) | "cpu" | "cuda".
         block_size: tokens per KV block.
         gpu_memory_utilization: fraction of GPU memory for weights + activations + KV cache (CUDA).
-        kv_cache_memory_bytes: KV pool size in bytes; default 1 GiB on CPU, derived from
-            gpu_memory_utilization on CUDA when None.
+        kv_cache_memory_bytes: KV pool size in bytes (per tensor-parallel rank: each holds its shard of
+            every block); default 1 GiB on CPU, derived from gpu_memory_utilization on CUDA when None.
         max_model_len: longest prompt + output in tokens; None → the model's, capped at 8192 and at
             what the pool can hold.
         max_num_seqs: most sequences in one step.
@@ -72,6 +73,8 @@ class EngineConfig:
         quantization: None (a float checkpoint in ``dtype``; a .gguf file is served packed, i.e.
             "gguf", unless dtype is "float32") | "fp8" | "int8" | "int4" (quantized at load) | "gguf" (see docs/quantization.md).
         kv_cache_dtype: "auto" (= the model dtype) | "fp8" (= "fp8_e4m3") | "fp8_e5m2".
+        tensor_parallel_size: N ranks holding 1/N of every layer (rank 0 is this process, ranks 1..N-1
+            are spawned worker processes: ``executor/workers.py``); the model's head counts must split.
         seed: seeds the RNG used for requests without their own seed.
         max_logprobs: most log-probabilities a request may ask for per token (logprobs, top_logprobs,
             prompt_logprobs); -1 means the vocabulary size (vLLM's --max-logprobs, default 20).
@@ -113,6 +116,8 @@ class EngineConfig:
         refused = engine_refusals(self.settings())
         if refused:
             raise UnsupportedFeatureError(refused[0].message(self.settings()))
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         q = self.quantization
         if q is not None and q not in QUANTIZATION_CHOICES:
             why = (" (an already-quantized checkpoint format; kvfleet loads float checkpoints, quantized at load, "

@@ -89,7 +89,6 @@ def test_max_tokens_none_fills_to_max_model_len(eng):
 
 
 @pytest.mark.parametrize("kwargs, text", [
-    (dict(tensor_parallel_size=2), "not supported yet: --tensor-parallel-size 2"),
     (dict(speculative_config={"method": "ngram"}), "not supported yet: --speculative-config"),
     (dict(quantization="awq"), "not supported: quantization='awq' (an already-quantized checkpoint format"),
     (dict(quantization="fp4"), "not supported: quantization='fp4'; expected one of ['fp8', 'int8', 'int4', 'gguf']"),
@@ -107,6 +106,7 @@ def test_unsupported_features_refused(kwargs, text):
     (dict(block_size=0), "block_size"), (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(dtype="int8"), "dtype"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"), (dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
 ])
 def test_bad_config_values(kwargs, text):
     with pytest.raises(ValueError, match=text):

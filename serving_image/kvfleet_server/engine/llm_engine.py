@@ -17,16 +17,19 @@ import time
 
 import torch
 
-from ..attention import get_attention_backend
 from ..attention.kv_quant import kv_cache_torch_dtype
-from ..config import DEFAULT_CPU_KV_CACHE_BYTES, MAX_DEFAULT_MODEL_LEN, EngineConfig
+from ..config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from ..errors import InvalidRequestError, PromptTooLongError
 from .kv_cache import KVCacheManager
+from ..executor.distributed import TPGroup
+from ..executor.engine_setup import build_shard, size_kv_pool
+from ..executor.workers import WorkerGroup, start_workers
 from ..model.layers.quant import model_weight_bytes, quantization_note
-from ..model.loader import is_gguf, load_model, load_model_config, open_gguf
+from ..model.loader import is_gguf, load_model_config, open_gguf
+from ..model.sharding import check_tp_size
 from ..outputs import CompletionOutput, Logprob, RequestOutput
-from ..executor.model_runner import ModelRunner, kv_bytes_per_token
+from ..executor.model_runner import kv_bytes_per_token
 from ..sample.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
 from ..sampling_params import SamplingParams
 from .scheduler import Request, ScheduledSeq, Scheduler, Sequence, SeqStatus
@@ -35,7 +38,6 @@ from ..model.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvfleet.engine")
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 class LLMEngine:
@@ -70,48 +72,50 @@ class LLMEngine:
         reader = open_gguf(path) if is_gguf(path) else None  # parsed once, for the config and the weights
         if reader is not None:
             lap("gguf parse")
-        mcfg = load_model_config(path, reader)
-        lap("config")
-        model_max = mcfg.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(
-                f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={model_max}"
-            )
-        max_len = config.max_model_len or min(model_max, MAX_DEFAULT_MODEL_LEN)
-        self.quantization = config.resolved_quantization()
-        self.model, self.model_config = load_model(path, self.dtype, self.device, max_positions=max_len,
-                                                   reader=reader, quantization=self.quantization)
-        #: bytes of the weights as stored (packed/quantized formats included; rope tables excluded)
-        self.weight_bytes = model_weight_bytes(self.model)
-        logger.info("weights: %s, %.1f MiB, activations %s%s", self.quantization or "unquantized",
-                    self.weight_bytes / 2**20, self.dtype, quantization_note(self.quantization, self.device))
-        lap("weights")
-        arch = None
-        if reader is not None and config.tokenizer in (None, path):
-            arch = reader.fields["general.architecture"].contents()
-        del reader  # drop the file mapping: the weights are copied into the model
-        self.tokenizer = Tokenizer.from_path(config.tokenizer or path, self.model_config.eos_token_ids,
-                                             gguf_architecture=arch)
-        lap("tokenizer")
-        self.model_name = config.resolved_served_name()
-        self.block_size = bs = config.block_size
+        tp_size = config.tensor_parallel_size
+        self.tp = TPGroup(0, tp_size, torch.device("cuda:0" if self.device == "cuda" else self.device))
+        self.workers: WorkerGroup | None = None
+        if tp_size > 1:
+            check_tp_size(load_model_config(path, reader), tp_size)  # refuse before spawning anything
+            self.workers = start_workers(config, self.device)
+            lap("tensor-parallel spawn")
+        try:
+            self.quantization = config.resolved_quantization()
+            self.model, self.model_config, max_len = build_shard(config, self.tp, reader, timings=lap)
+            #: bytes of the weights as stored by this rank (packed/quantized formats included; rope excluded)
+            self.weight_bytes = model_weight_bytes(self.model)
+            logger.info("weights: %s, %.1f MiB%s, activations %s%s", self.quantization or "unquantized",
+                        self.weight_bytes / 2**20, f" (rank 0 of {tp_size})" if tp_size > 1 else "", self.dtype,
+                        quantization_note(self.quantization, self.device))
+            lap("weights")
+            arch = None
+            if reader is not None and config.tokenizer in (None, path):
+                arch = reader.fields["general.architecture"].contents()
+            del reader  # drop the file mapping: the weights are copied into the model
+            self.tokenizer = Tokenizer.from_path(config.tokenizer or path, self.model_config.eos_token_ids,
+                                                 gguf_architecture=arch)
+            lap("tokenizer")
+            if self.workers is not None:
+                self.workers.wait_loaded()
+                lap("tensor-parallel workers loaded")
+                self.tp.connect(self.workers.init_method)
+                lap("tensor-parallel connect")
+            self.model_name = config.resolved_served_name()
+            self.block_size = bs = config.block_size
+            self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+            self.runner, self.num_blocks = size_kv_pool(config, self.model, self.tp, self.device)
+            lap("kv_cache allocation")
+        except BaseException:
+            self.shutdown()
+            raise
         mc = self.model_config
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
-        per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, self.kv_cache_dtype)
-        self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-        if self.device == "cuda" and config.kv_cache_memory_bytes is None:
-            kv_bytes = self._profile_cuda_kv_bytes()
-            lap("kv_cache profile run")
-        else:
-            kv_bytes = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-        self.num_blocks = kv_bytes // (per_token * bs)
-        if self.num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory_bytes={kv_bytes} is too small: one KV block of {bs} tokens needs {per_token * bs} bytes"
-            )
+        per_token = kv_bytes_per_token(mc.num_hidden_layers, self.model.shard.num_kv_heads, mc.head_dim,
+                                       self.kv_cache_dtype)
         capacity = self.num_blocks * bs
         if max_len > capacity:
             if config.max_model_len is not None:
+                self.shutdown()
                 raise ValueError(
                     f"max_model_len={max_len} does not fit in the KV pool ({self.num_blocks} blocks × {bs} = "
                     f"{capacity} tokens); raise kv_cache_memory_bytes or lower max_model_len"
@@ -119,16 +123,13 @@ class LLMEngine:
             max_len = capacity
         self.max_model_len = max_len
         logger.info(
-            "KV cache: %d blocks × %d tokens (%.1f MiB, %s); max_model_len=%d; max concurrency at max_model_len: %.2fx",
-            self.num_blocks, bs, self.num_blocks * bs * per_token / 2**20, self.kv_cache_dtype, max_len,
-            capacity / max_len,
+            "KV cache: %d blocks × %d tokens (%.1f MiB%s, %s); max_model_len=%d; max concurrency at max_model_len: "
+            "%.2fx", self.num_blocks, bs, self.num_blocks * bs * per_token / 2**20,
+            f" per rank × {tp_size} ranks" if tp_size > 1 else "", self.kv_cache_dtype, max_len, capacity / max_len,
         )
         self.kv = KVCacheManager(self.num_blocks, bs)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching)
-        self.runner = ModelRunner(self.model, self.num_blocks, bs, self.device, self.dtype,
-                                  get_attention_backend(self.device), self.kv_cache_dtype)
-        lap("kv_cache allocation")
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -142,6 +143,22 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":
         return cls(EngineConfig(**kwargs))
+
+    # --- tensor-parallel workers ---------------------------------------------------------------
+    def watch_workers(self, on_death) -> None:
+        """Call ``on_death(rank, pid, exit_code)`` from a daemon thread if a tensor-parallel worker dies
+        (no-op without tensor parallelism). The engine cannot step after that."""
+        if self.workers is not None:
+            self.workers.watch(on_death)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the process groups (idempotent; no-op for N = 1)."""
+        workers, self.workers = getattr(self, "workers", None), None
+        if workers is not None:
+            workers.stop()
+        tp = getattr(self, "tp", None)
+        if tp is not None:
+            tp.destroy()
 
     # --- introspection -------------------------------------------------------------------------
     @property
@@ -269,10 +286,10 @@ class LLMEngine:
                 m.first_scheduled_time = now
             it.num_prompt_tokens += max(0, min(s.seq.num_computed_tokens + s.num_new, s.seq.num_prompt_tokens)
                                         - s.seq.num_computed_tokens)
-        self.runner.copy_blocks(sched.copies)
+        batch = self.runner.execute(scheduled, {s.seq.seq_id: self.kv.block_ids(s.seq.seq_id) for s in scheduled},
+                                    sched.copies)
         for block in sched.pinned:
             self.kv.pool.decref(block)
-        batch = self.runner.execute(scheduled, {s.seq.seq_id: self.kv.block_ids(s.seq.seq_id) for s in scheduled})
         samplers = [i for i, s in enumerate(scheduled) if s.samples]
         self._prompt_logprobs(scheduled, batch)
         for s in scheduled:
@@ -301,7 +318,7 @@ class LLMEngine:
                     rows.append(batch.last_row[i])
                     seqs.append(child)
         if rows:
-            logits = self.runner.compute_logits(batch.hidden[torch.tensor(rows, device=batch.hidden.device)])
+            logits = self.runner.compute_logits(batch, rows)
             tokens, lps = sample(logits, [self._sample_row(s) for s in seqs])
             now = time.monotonic()
             for seq, tok, lp in zip(seqs, tokens, lps):
@@ -395,8 +412,7 @@ class LLMEngine:
             last = min(p0 + n, len(req.prompt_token_ids) - 1)  # positions whose next token is in the prompt
             if last <= first:
                 continue
-            rows = torch.arange(start + first - p0, start + last - p0, device=batch.hidden.device)
-            logits = self.runner.compute_logits(batch.hidden[rows])
+            logits = self.runner.compute_logits(batch, list(range(start + first - p0, start + last - p0)))
             nxt = req.prompt_token_ids[first + 1 : last + 1]
             for tok, lp in zip(nxt, prompt_logprobs(logits, nxt, req.params.prompt_logprobs)):
                 pl.append(self._logprob_entry(tok, lp))
@@ -426,33 +442,3 @@ class LLMEngine:
             outputs=comps, finished=req.finished, prompt_logprobs=req.prompt_logprobs, metrics=req.metrics,
             num_cached_tokens=req.num_cached_tokens,
         )
-
-    def _profile_cuda_kv_bytes(self) -> int:
-        """KV budget on CUDA: gpu_memory_utilization × total − memory in use after loading the weights
-        − the activation peak of a forward pass over max_num_batched_tokens tokens (profile run)."""
-        from .scheduler import Request as _R
-
-        kv_cache_dtype_torch = kv_cache_torch_dtype(self.config.kv_cache_dtype, self.dtype)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        T = min(self.max_num_batched_tokens, self.model_config.max_position_embeddings)
-        nb = -(-T // self.block_size) + 1
-        tmp = ModelRunner(self.model, nb, self.block_size, self.device, self.dtype, get_attention_backend(self.device),
-                          kv_cache_dtype_torch)
-        req = _R("__profile__", None, [0] * T, SamplingParams(max_tokens=1), 0.0, 1)
-        seq = Sequence(req, 0, [0] * T, None)
-        tmp.execute([ScheduledSeq(seq, T)], {seq.seq_id: list(range(nb))})
-        torch.cuda.synchronize()
-        activation = torch.cuda.max_memory_allocated() - base
-        del tmp
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        budget = int(total * self.config.gpu_memory_utilization) - (total - free) - activation
-        if budget <= 0:
-            raise ValueError(
-                f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no memory for the KV cache "
-                f"(total {total} B, in use {total - free} B, activation peak {activation} B)"
-            )
-        logger.info("CUDA profile: activation peak %.1f MiB, KV budget %.1f MiB", activation / 2**20, budget / 2**20)
-        return budget

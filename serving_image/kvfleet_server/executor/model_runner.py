@@ -5,18 +5,25 @@ KV cache tensors: for each layer a triple (K, V, kv_scales): K and V each ``[num
 num_kv_heads, head_dim]`` in the KV-cache dtype (the model dtype, or float8 for ``--kv-cache-dtype
 fp8*``), zero-initialised (padding reads of unused slots are masked out but must not be NaN);
 kv_scales None, or for FP8 the layer's float32 [2] (k_scale, v_scale) (see attention/kv_quant.py).
+With tensor parallelism ``num_kv_heads`` is this rank's: every rank holds its shard of every block,
+under the same block ids, so rank 0's block tables address all of them.
+
+A step is ``prepare`` (rank 0 only: scheduled sequences → ``StepInputs``, plain lists) then ``run``
+(every rank: tensors → model). Rank 0's ``execute`` broadcasts the ``StepInputs`` once per step; the
+other ranks receive it in ``workers.py`` and call ``serve``.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
 from ..attention.kv_quant import HEADROOM, is_fp8
 from ..engine.scheduler import ScheduledSeq
+from .distributed import TPGroup
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -42,11 +49,37 @@ class StepBatch:
         hidden: [T, hidden] final hidden states.
         last_row: index into ``scheduled`` → row of that sequence's last computed token.
         chunk_rows: index into ``scheduled`` → (first row, number of rows) of its tokens.
+        logits / logits_at: logits computed with the step ([len(logits_at), vocab]) and row → index.
     """
 
     hidden: torch.Tensor
     last_row: list[int]
     chunk_rows: list[tuple[int, int]]
+    logits: torch.Tensor | None = None
+    logits_at: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    """One step's flat batch as plain Python values: what rank 0 broadcasts to the other ranks.
+
+    Attributes:
+        input_ids: [T] token ids, the D decode tokens first, then the prefill chunks.
+        dec_positions / dec_slots: [D] position and flat KV slot of each decode token.
+        decode_groups: (start, count, block tables [count][max_blocks], context lengths [count]).
+        prefills: (q_start, q_len, ctx_len, block table [ceil(ctx_len / block_size)]) per chunk.
+        copies: copy-on-write block copies (src, dst) to apply before the step.
+        logit_rows: rows whose logits are computed with the step (tensor parallelism: the sampling
+            rows, so that a decode step needs no second broadcast).
+    """
+
+    input_ids: list[int]
+    dec_positions: list[int]
+    dec_slots: list[int]
+    decode_groups: list[tuple[int, int, list[list[int]], list[int]]]
+    prefills: list[tuple[int, int, int, list[int]]]
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -54,13 +87,16 @@ class ModelRunner:
                  dtype: torch.dtype, backend: AttentionBackend, kv_cache_dtype: torch.dtype | None = None):
         cfg = model.config
         self.model = model
+        self.tp: TPGroup = getattr(model, "tp", None) or TPGroup()
+        self.last_hidden: torch.Tensor | None = None
+        self.step_logits: torch.Tensor | None = None
         self.device = torch.device(device)
         self.dtype = dtype
         self.kv_cache_dtype = kv_dtype = kv_cache_dtype or dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = backend
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, model.shard.num_kv_heads, cfg.head_dim)
         ckpt_scales = getattr(model, "kv_cache_scales", {}) or {}
         self._kv_calibration_pending = is_fp8(kv_dtype) and len(ckpt_scales) < cfg.num_hidden_layers
 
@@ -104,10 +140,11 @@ class ModelRunner:
             groups.append((start, len(ctx_lens) - start))
         return groups
 
-    @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], block_tables: dict[str, list[int]]) -> StepBatch:
-        """Run the model on one step's tokens (K/V written to the cache as a side effect)."""
-        bs, dev = self.block_size, self.device
+    def prepare(self, scheduled: list[ScheduledSeq], block_tables: dict[str, list[int]],
+                copies: list[tuple[int, int]] = ()) -> tuple[StepInputs, list[int], list[tuple[int, int]]]:
+        """Lay out one step's tokens (pure Python: decodes first, sorted by context length, then the
+        prefill chunks). Returns (inputs, last_row, chunk_rows) indexed like ``scheduled``."""
+        bs = self.block_size
         dec = sorted((i for i, s in enumerate(scheduled) if s.num_new == 1),
                      key=lambda i: scheduled[i].seq.num_computed_tokens)
         pre = [i for i, s in enumerate(scheduled) if s.num_new > 1]
@@ -134,19 +171,42 @@ class ModelRunner:
             for i in dec[start : start + count]:
                 bt = block_tables[scheduled[i].seq.seq_id][:mb]
                 tables.append(bt + [bt[0]] * (mb - len(bt)))
-            ctx = torch.tensor(ctx_lens[start : start + count], device=dev)
-            mask = (torch.arange(mb * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
-            groups.append(DecodeGroup(start, count, torch.tensor(tables, device=dev), mask))
-
+            groups.append((start, count, tables, ctx_lens[start : start + count]))
         prefills = []
-        pre_pos = []
-        pre_slots = []
+        q_start = len(ids)
         for i in pre:
             s, n = scheduled[i].seq, scheduled[i].num_new
             p0 = s.num_computed_tokens
-            q_start = len(ids) + sum(len(x) for x in pre_pos)
             ctx = p0 + n
-            bt = torch.tensor(block_tables[s.seq_id][: -(-ctx // bs)], device=dev)
+            ids.extend(s.token_ids[p0:ctx])
+            prefills.append((q_start, n, ctx, block_tables[s.seq_id][: -(-ctx // bs)]))
+            last_row[i] = q_start + n - 1
+            chunk_rows[i] = (q_start, n)
+            q_start += n
+        inputs = StepInputs(ids, pos, slots, groups, prefills, list(copies),
+                            [last_row[i] for i, s in enumerate(scheduled) if s.samples] if self.tp.is_parallel else [])
+        return inputs, last_row, chunk_rows
+
+    @torch.inference_mode()
+    def run(self, inputs: StepInputs) -> torch.Tensor:
+        """Apply the step's copy-on-write copies, build the tensors and run the model (every rank).
+
+        Returns hidden states [T, hidden]; also computes the logits of ``inputs.logit_rows`` (kept in
+        ``self.step_logits`` on rank 0) when that list is not empty.
+        """
+        bs, dev = self.block_size, self.device
+        self.copy_blocks(inputs.copies)
+        n_dec = len(inputs.dec_positions)
+        groups = []
+        for start, count, tables, ctx_lens in inputs.decode_groups:
+            mb = len(tables[0])
+            ctx = torch.tensor(ctx_lens, device=dev)
+            mask = (torch.arange(mb * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
+            groups.append(DecodeGroup(start, count, torch.tensor(tables, device=dev), mask))
+        prefills, pre_pos, pre_slots = [], [], []
+        for q_start, n, ctx, table in inputs.prefills:
+            p0 = ctx - n
+            bt = torch.tensor(table, device=dev)
             ppos = torch.arange(p0, ctx, device=dev)
             pre_pos.append(ppos)
             pre_slots.append(bt[ppos // bs] * bs + ppos % bs)
@@ -154,20 +214,19 @@ class ModelRunner:
             if p0 > 0:
                 mask = torch.arange(ctx, device=dev)[None, :] <= ppos[:, None]
             prefills.append(PrefillSpan(q_start, n, ctx, bt, mask))
-            last_row[i] = q_start + n - 1
-            chunk_rows[i] = (q_start, n)
-        pre_ids = [t for i in pre for t in scheduled[i].seq.token_ids[
-            scheduled[i].seq.num_computed_tokens : scheduled[i].seq.num_computed_tokens + scheduled[i].num_new]]
-
-        input_ids = torch.tensor(ids + pre_ids, dtype=torch.long, device=dev)
-        positions = torch.cat([torch.tensor(pos, dtype=torch.long, device=dev)] + pre_pos)
-        slot_mapping = torch.cat([torch.tensor(slots, dtype=torch.long, device=dev)] + pre_slots)
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(dec), decode_groups=groups,
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
+        positions = torch.cat([torch.tensor(inputs.dec_positions, dtype=torch.long, device=dev)] + pre_pos)
+        slot_mapping = torch.cat([torch.tensor(inputs.dec_slots, dtype=torch.long, device=dev)] + pre_slots)
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=n_dec, decode_groups=groups,
                                  prefills=prefills)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         if self._kv_calibration_pending:
             self._log_kv_calibration()
-        return StepBatch(hidden, last_row, chunk_rows)
+        self.last_hidden = hidden
+        self.step_logits = None
+        if inputs.logit_rows:
+            self.step_logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=dev)])
+        return hidden
 
     def _log_kv_calibration(self) -> None:
         """Once, after the first step: the FP8 KV scales computed from the first prefill."""
@@ -178,6 +237,48 @@ class ModelRunner:
                     s[:, 0].min(), s[:, 0].max(), s[:, 1].min(), s[:, 1].max(), len(self.kv_caches))
 
     @torch.inference_mode()
-    def compute_logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] → [N, vocab] float32."""
-        return self.model.compute_logits(hidden_rows)
+    def execute(self, scheduled: list[ScheduledSeq], block_tables: dict[str, list[int]],
+                copies: list[tuple[int, int]] = ()) -> StepBatch:
+        """Run the model on one step's tokens (K/V written to the cache as a side effect), after the
+        copy-on-write ``copies`` (src, dst). With tensor parallelism rank 0 broadcasts the step's
+        inputs once (``self.tp.broadcast_object``) and every rank runs it."""
+        inputs, last_row, chunk_rows = self.prepare(scheduled, block_tables, copies)
+        if self.tp.is_parallel:
+            self.tp.broadcast_object(("step", inputs))
+        hidden = self.run(inputs)
+        logits_at = {r: k for k, r in enumerate(inputs.logit_rows)}
+        return StepBatch(hidden, last_row, chunk_rows, self.step_logits, logits_at)
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: StepBatch | torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """Logits of rows ``rows`` of ``batch.hidden``: [len(rows), vocab] float32.
+
+        With tensor parallelism, rows computed with the step (the sampling rows) are looked up; others
+        (prompt logprobs) cost one more broadcast and a gather. Without it, ``batch`` may also be a
+        hidden-state tensor [N, hidden] (all its rows).
+        """
+        if isinstance(batch, torch.Tensor):
+            if self.tp.is_parallel:
+                raise RuntimeError("with tensor parallelism compute_logits needs (StepBatch, rows): "
+                                   "the other ranks select the same rows of their own hidden states")
+            return self.model.compute_logits(batch if rows is None else batch[rows])
+        if batch.logits is not None and all(r in batch.logits_at for r in rows):
+            return batch.logits[torch.tensor([batch.logits_at[r] for r in rows], device=batch.logits.device)]
+        if self.tp.is_parallel:
+            self.tp.broadcast_object(("logits", list(rows)))
+        return self.model.compute_logits(batch.hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+
+    @torch.inference_mode()
+    def serve(self, msg) -> bool:
+        """Worker ranks: carry out one message of rank 0 (``("step", StepInputs)``, ``("logits", rows)``);
+        returns False for ``("stop",)``."""
+        kind = msg[0]
+        if kind == "step":
+            self.run(msg[1])
+        elif kind == "logits":
+            self.model.compute_logits(self.last_hidden[torch.tensor(msg[1], dtype=torch.long, device=self.device)])
+        elif kind == "stop":
+            return False
+        else:
+            raise ValueError(f"unknown tensor-parallel message {kind!r}")
+        return True

@@ -4,6 +4,11 @@ All sequences of a step are concatenated into one [T] token axis (no padding): l
 one matmul over T tokens, attention goes through an ``AttentionBackend`` that reads and writes the
 paged KV cache. Layer math follows transformers' modeling_llama / modeling_qwen2 (RMSNorm in float32,
 rotate-half RoPE, GQA, SwiGLU); q/k/v and gate/up projections are fused for fewer matmuls.
+
+Tensor parallelism (``tp`` with N > 1, partition in ``sharding.py``): each rank builds the layers with
+its local head counts and channel slices — column-parallel qkv_proj / gate_up_proj, row-parallel
+o_proj / down_proj (one all-reduce each, inside the Linear), vocab-parallel embedding and LM head.
+Hidden states between layers are full and identical on every rank.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..executor.distributed import TPGroup
 from .config import ModelConfig
-from .layers.embedding import VocabEmbedding
+from .layers.embedding import VocabEmbedding, gather_logits
 from .layers.linear import Linear
 from .layers.quant import QuantConfig
+from .sharding import TPShard, tp_shard
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 
 
@@ -36,12 +43,15 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, quant_config: QuantConfig | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, quant_config: QuantConfig | None = None,
+                 tp: TPGroup | None = None, shard: TPShard | None = None):
         super().__init__()
         qc = quant_config or QuantConfig(None, torch.get_default_dtype())
+        tp = tp or TPGroup()
+        shard = shard or tp_shard(cfg, tp.rank, tp.world_size)
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -49,15 +59,23 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         pre = f"layers.{layer_idx}."
+        hd = self.head_dim
+        self.intermediate_size = inter = shard.intermediate[1] - shard.intermediate[0]
+        col = row = {}
+        if tp.is_parallel:  # which rows / columns of each checkpoint tensor this rank keeps
+            q0, k0 = shard.q_heads[0] * hd, shard.kv_heads[0] * hd
+            col = {"qkv": [(q0, self.q_size), (k0, self.kv_size), (k0, self.kv_size)],
+                   "gate_up": [(shard.intermediate[0], inter)] * 2}
+            row = {"o": (q0, self.q_size), "down": (shard.intermediate[0], inter)}
         self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.attention_bias,
-                               quant_method=qc.linear_method(pre + "qkv_proj"), prefix=pre + "qkv_proj")
+                               quant_method=qc.linear_method(pre + "qkv_proj"), prefix=pre + "qkv_proj", tp=tp,
+                               column_slices=col.get("qkv"))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, quant_method=qc.linear_method(pre + "o_proj"),
-                             prefix=pre + "o_proj")
-        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                   quant_method=qc.linear_method(pre + "gate_up_proj"), prefix=pre + "gate_up_proj")
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size,
-                                quant_method=qc.linear_method(pre + "down_proj"), prefix=pre + "down_proj")
-        self.intermediate_size = cfg.intermediate_size
+                             prefix=pre + "o_proj", tp=tp, row_slice=row.get("o"))
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, quant_method=qc.linear_method(pre + "gate_up_proj"),
+                                   prefix=pre + "gate_up_proj", tp=tp, column_slices=col.get("gate_up"))
+        self.down_proj = Linear(inter, cfg.hidden_size, quant_method=qc.linear_method(pre + "down_proj"),
+                                prefix=pre + "down_proj", tp=tp, row_slice=row.get("down"))
 
     def forward(self, h, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         T = h.shape[0]
@@ -79,18 +97,27 @@ class LlamaForCausalLM(nn.Module):
     projects selected rows to the vocabulary in float32 ([N, vocab]).
 
     ``quant_config`` picks each projection's storage and kernel (loader.load_model builds it from
-    --quantization); the layers below never branch on the format."""
+    --quantization); the layers below never branch on the format.
 
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, quant_config: QuantConfig | None = None):
+    ``tp``: this rank's TPGroup (None: no tensor parallelism). Raises UnsupportedFeatureError when the
+    head counts cannot split over ``tp.world_size`` (see ``sharding.check_tp_size``)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None, quant_config: QuantConfig | None = None,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.config = cfg
         qc = quant_config or QuantConfig(None, torch.get_default_dtype())
+        self.tp = tp = tp or TPGroup()
+        self.shard = shard = tp_shard(cfg, tp.rank, tp.world_size)
+        first, end = shard.vocab
         # weights come from a checkpoint (loader.load_model): parameters are allocated uninitialized
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, qc.embedding_method())
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qc) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, qc.embedding_method(), tp=tp,
+                                           vocab_range=shard.vocab)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qc, tp, shard) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, quant_method=qc.lm_head_method(), prefix="lm_head")
+            cfg.hidden_size, cfg.vocab_size, quant_method=qc.lm_head_method(), prefix="lm_head", tp=tp,
+            column_slices=[(first, end - first)] if tp.is_parallel else None)
         self.init_rope(max_positions or cfg.max_position_embeddings)
 
     def init_rope(self, max_positions: int, device=None) -> None:
@@ -124,10 +151,11 @@ class LlamaForCausalLM(nn.Module):
             h = layer(h, cos, sin, kv, meta, backend)
         return self.norm(h)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] → logits [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [N, hidden] → logits [N, vocab] float32 (None on tensor-parallel ranks other than 0,
+        which only contribute their vocabulary shard)."""
         head = self.embed_tokens.project if self.lm_head is None else self.lm_head
-        return head(hidden).float()
+        return gather_logits(head(hidden).float(), self.config.vocab_size, self.tp)
 
 
 MODEL_REGISTRY = {"LlamaForCausalLM": LlamaForCausalLM, "Qwen2ForCausalLM": LlamaForCausalLM}

@@ -338,8 +338,12 @@ def load_model_config(path: str, reader=None) -> ModelConfig:
 
 
 def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | None = None, reader=None,
-               quantization: str | None = None):
+               quantization: str | None = None, tp=None):
     """Load weights into kvfleet's model.
+
+    ``tp``: a ``TPGroup`` (rank r of N): the model is built with rank r's shard and every ``Linear``'s
+    weight_loader keeps only that rank's slice of each checkpoint tensor (the group need not be
+    connected yet).
 
     ``reader``: an already parsed GGUF (``open_gguf(path)``) to reuse instead of parsing ``path`` again.
     ``quantization``: None (model dtype), "fp8" | "int8" | "int4" (quantized at load from the float
@@ -372,7 +376,7 @@ def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | 
             f"not supported yet: architecture {cfg.architecture}; expected one of {list(SUPPORTED_ARCHITECTURES)}"
         )
     _check_shapes(cfg, params)
-    model = _build(cfg, dtype, device, QuantConfig(quantization, dtype))
+    model = _build(cfg, dtype, device, QuantConfig(quantization, dtype), tp)
     _load_weights(model, params)
     del params
     for m in model.modules():
@@ -384,13 +388,13 @@ def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | 
     return model, cfg
 
 
-def _build(cfg: ModelConfig, dtype: torch.dtype, device: str, qc: QuantConfig) -> torch.nn.Module:
+def _build(cfg: ModelConfig, dtype: torch.dtype, device: str, qc: QuantConfig, tp=None) -> torch.nn.Module:
     """The model with uninitialized parameters in ``dtype`` on ``device`` (no init kernels run)."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = MODEL_REGISTRY[cfg.architecture](cfg, max_positions=1, quant_config=qc)
+            model = MODEL_REGISTRY[cfg.architecture](cfg, max_positions=1, quant_config=qc, tp=tp)
     finally:
         torch.set_default_dtype(old)
     return model

@@ -7,10 +7,14 @@ owns the parameters (``create_weights``), turns loaded checkpoint tensors into i
 ``weight_loader(param, loaded, shard_id)`` that copies one checkpoint tensor into its rows, so the
 model code never branches on the format.
 
-Tensor parallelism (a later issue) slots in here: column-/row-parallel variants pass their shard's
-sizes to ``create_weights`` and slice the loaded tensor in the same ``weight_loader``; parameters
-are tagged with ``output_dim`` / ``input_dim`` (which axis is the output channel / input channel,
-or None when not sliceable), so per-channel scales and zero points follow their rows.
+Tensor parallelism (Megatron-LM's split, Shoeybi et al. 2019; vLLM's Column/RowParallelLinear): a
+column-parallel Linear is built with ``column_slices`` — for each fused output shard, the (first row,
+rows) of the checkpoint tensor this rank keeps — and a row-parallel one with ``row_slice``, the (first
+column, columns) of the input it keeps; its partial products are summed by one all-reduce in
+``forward`` (the bias, if any, added once after it). The sizes the quant method sees are the local
+ones, and every ``weight_loader`` first cuts the checkpoint tensor with ``tp_slice`` (along the
+parameter's ``output_dim`` / ``input_dim`` tags: per-channel scales and zero points follow their rows;
+packed GGUF tensors are cut at block boundaries). Quantize-at-load methods quantize the local shard.
 """
 
 from __future__ import annotations
@@ -92,8 +96,16 @@ class Linear(nn.Module):
 
     def __init__(self, input_size: int, output_sizes: int | list[int], bias: bool = False,
                  quant_method: QuantMethod | None = None, params_dtype: torch.dtype | None = None,
-                 prefix: str = ""):
+                 prefix: str = "", tp=None, column_slices: list[tuple[int, int]] | None = None,
+                 row_slice: tuple[int, int] | None = None):
         super().__init__()
+        self.tp = tp
+        self.column_slices = list(column_slices) if column_slices is not None else None
+        self.row_slice = row_slice
+        if self.column_slices is not None:
+            output_sizes = [rows for _, rows in self.column_slices]
+        if row_slice is not None:
+            input_size = row_slice[1]
         self.input_size = input_size
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.output_size = sum(self.output_sizes)
@@ -114,10 +126,23 @@ class Linear(nn.Module):
             return 0, self.output_size
         return sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
 
+    def tp_slice(self, loaded, shard_id: int | None = None, output_dim: int | None = 0, input_dim: int | None = 1):
+        """The part of checkpoint tensor ``loaded`` (torch.Tensor, or anything with ``narrow(dim, start,
+        length)`` such as a packed GGUF tensor) that this rank keeps: rows ``column_slices[shard_id]``
+        along ``output_dim`` (zero-padded past the end: the vocabulary's last shard), columns
+        ``row_slice`` along ``input_dim``. Unchanged without tensor parallelism."""
+        if self.column_slices is not None and output_dim is not None:
+            start, rows = self.column_slices[shard_id or 0]
+            loaded = narrow_padded(loaded, output_dim, start, rows)
+        if self.row_slice is not None and input_dim is not None:
+            loaded = loaded.narrow(input_dim, *self.row_slice)
+        return loaded
+
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
-        """Copy checkpoint tensor ``loaded`` into ``param``'s rows of shard ``shard_id`` along
-        ``param.output_dim`` (the whole parameter when the dim is None). Raises ValueError naming the
-        layer on a shape mismatch."""
+        """Copy checkpoint tensor ``loaded`` (this rank's ``tp_slice`` of it) into ``param``'s rows of
+        shard ``shard_id`` along ``param.output_dim`` (the whole parameter when the dim is None).
+        Raises ValueError naming the layer on a shape mismatch."""
+        loaded = self.tp_slice(loaded, shard_id, getattr(param, "output_dim", None), getattr(param, "input_dim", None))
         dim = getattr(param, "output_dim", None)
         target = param.data
         if dim is not None:
@@ -136,7 +161,30 @@ class Linear(nn.Module):
         return self.quant_method.weight_bytes(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        """x [T, input_size (this rank's)] → [T, output_size (this rank's; the full output for a
+        row-parallel layer, summed over the ranks)]."""
+        if self.row_slice is None or self.tp is None or not self.tp.is_parallel:
+            return self.quant_method.apply(self, x, self.bias)
+        y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_sizes}, quant={self.quant_method.name}"
+        tp = ""
+        if self.column_slices is not None:
+            tp = f", column-parallel {self.column_slices}"
+        elif self.row_slice is not None:
+            tp = f", row-parallel {self.row_slice}"
+        return f"in={self.input_size}, out={self.output_sizes}, quant={self.quant_method.name}{tp}"
+
+
+def narrow_padded(t, dim: int, start: int, length: int):
+    """``t.narrow(dim, start, length)``, zero-padded when ``start + length`` runs past ``t``'s end."""
+    have = t.shape[dim]
+    if start + length <= have:
+        return t.narrow(dim, start, length)
+    part = t.narrow(dim, start, max(0, have - start))
+    if hasattr(part, "pad"):
+        return part.pad(dim, length)
+    shape = list(part.shape)
+    shape[dim] = length - part.shape[dim]
+    return torch.cat([part, part.new_zeros(shape)], dim)

@@ -46,6 +46,26 @@ class GGUFTensor:
     raw: np.ndarray
     shape: tuple[int, int]
 
+    def narrow(self, dim: int, start: int, length: int):
+        """Rows (dim 0) or columns (dim 1) [start, start + length) — packed when the columns fall on
+        32-value block boundaries, else a dequantized float32 tensor (tensor-parallel shards)."""
+        rows, cols = self.shape
+        if dim == 0:
+            return GGUFTensor(self.type_name, self.raw[start:start + length], (length, cols))
+        bb = _BLOCK_BYTES.get(self.type_name)
+        if bb is None or start % GROUP or length % GROUP or self.raw.shape[1] != cols // GROUP * bb:
+            return self.dequantize().narrow(1, start, length)
+        return GGUFTensor(self.type_name, self.raw[:, start // GROUP * bb:(start + length) // GROUP * bb],
+                          (rows, length))
+
+    def pad(self, dim: int, length: int) -> "GGUFTensor":
+        """Zero rows appended up to ``length`` rows (dim 0; an all-zero block decodes to 0.0)."""
+        if dim != 0:
+            raise ValueError("GGUF tensors are padded along their rows only")
+        rows, cols = self.shape
+        extra = np.zeros((length - rows, self.raw.shape[1]), dtype=self.raw.dtype)
+        return GGUFTensor(self.type_name, np.concatenate([self.raw, extra]), (length, cols))
+
     def dequantize(self) -> torch.Tensor:
         from gguf import GGMLQuantizationType, dequantize
 
@@ -98,6 +118,7 @@ class GGUFLinearMethod(QuantMethod):
 
     @staticmethod
     def _load_shard(layer, param, loaded, shard_id=None) -> None:
+        loaded = layer.tp_slice(loaded, shard_id)
         start, rows = layer.shard_offset(shard_id)
         if tuple(loaded.shape) != (rows, layer.input_size):
             raise ValueError(f"{layer.prefix or 'Linear'}: GGUF tensor of shape {list(loaded.shape)} does not fit "

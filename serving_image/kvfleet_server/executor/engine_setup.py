@@ -1,0 +1,121 @@
+"""Start-up steps every rank runs the same way: load this rank's model shard, then agree on the KV pool.
+
+KV pool sizing (vLLM's rule for tensor parallelism): each rank measures its own budget — on CUDA
+``gpu_memory_utilization`` × total − memory in use after loading − the activation peak of a forward
+pass over ``max_num_batched_tokens`` tokens (a profile run, collective across the ranks); on the CPU the
+configured ``kv_cache_memory_bytes`` (per rank, default 1 GiB) — and the pool gets the number of blocks
+the *smallest* budget holds, so every rank can hold its shard of every block.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..attention import get_attention_backend
+from ..attention.kv_quant import kv_cache_torch_dtype
+from ..config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, MAX_DEFAULT_MODEL_LEN, EngineConfig
+from ..model.config import ModelConfig
+from ..model.loader import is_gguf, load_model, load_model_config, open_gguf
+from ..model.sharding import check_tp_size
+from .distributed import TPGroup
+from .model_runner import ModelRunner, StepInputs, kv_bytes_per_token
+
+logger = logging.getLogger("kvfleet.engine")
+
+
+def resolve_max_len(config: EngineConfig, mcfg: ModelConfig) -> int:
+    """max_model_len before the KV pool caps it; ValueError when it exceeds the model's positions."""
+    model_max = mcfg.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > model_max:
+        raise ValueError(
+            f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={model_max}"
+        )
+    return config.max_model_len or min(model_max, MAX_DEFAULT_MODEL_LEN)
+
+
+def build_shard(config: EngineConfig, tp: TPGroup, reader=None, timings=None):
+    """Load rank ``tp.rank``'s shard of the model.
+
+    Returns (model, ModelConfig, max_len). Raises UnsupportedFeatureError when the head counts cannot
+    split over ``tp.world_size`` (before any weight is read), ModelLoadError / ValueError otherwise.
+    """
+    path = config.resolved_model()
+    if reader is None and is_gguf(path):
+        reader = open_gguf(path)
+    mcfg = load_model_config(path, reader)
+    check_tp_size(mcfg, tp.world_size)
+    max_len = resolve_max_len(config, mcfg)
+    if timings is not None:
+        timings("config")
+    device = str(tp.device) if tp.is_parallel else config.resolved_device()
+    model, mcfg = load_model(path, config.resolved_dtype(), device, max_positions=max_len, reader=reader,
+                             quantization=config.resolved_quantization(), tp=tp)
+    return model, mcfg, max_len
+
+
+def cuda_kv_budget(config: EngineConfig, model, block_size: int, device: torch.device, dtype: torch.dtype,
+                   kv_dtype: torch.dtype) -> int:
+    """This rank's KV budget on CUDA (see the module docstring); every rank must call it together
+    (the profile forward all-reduces). Raises ValueError when nothing is left for the KV cache."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    T = min(config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, model.config.max_position_embeddings)
+    nb = -(-T // block_size) + 1
+    tmp = ModelRunner(model, nb, block_size, str(device), dtype, get_attention_backend(device.type), kv_dtype)
+    tmp.run(StepInputs(input_ids=[0] * T, dec_positions=[], dec_slots=[], decode_groups=[],
+                       prefills=[(0, T, T, list(range(-(-T // block_size))))]))
+    torch.cuda.synchronize(device)
+    activation = torch.cuda.max_memory_allocated(device) - base
+    del tmp
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(total * config.gpu_memory_utilization) - (total - free) - activation
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the KV cache on {device} "
+            f"(total {total} B, in use {total - free} B, activation peak {activation} B)"
+        )
+    logger.info("CUDA profile (%s): activation peak %.1f MiB, KV budget %.1f MiB", device, activation / 2**20,
+                budget / 2**20)
+    return budget
+
+
+def num_blocks_for(budgets: list[int], bytes_per_block: int) -> tuple[int, int]:
+    """(blocks every rank can hold, rank with the smallest budget) for per-rank ``budgets`` in bytes."""
+    smallest = min(range(len(budgets)), key=lambda r: budgets[r])
+    return budgets[smallest] // bytes_per_block, smallest
+
+
+def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = None) -> tuple[ModelRunner, int]:
+    """Agree on the pool size over the ranks and allocate this rank's KV shard.
+
+    Returns (ModelRunner, num_blocks). Raises ValueError on every rank when one block does not fit.
+    """
+    mc, bs = model.config, config.block_size
+    dtype = config.resolved_dtype()
+    kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
+    device = device or (str(tp.device) if tp.is_parallel else config.resolved_device())
+    per_token = kv_bytes_per_token(mc.num_hidden_layers, model.shard.num_kv_heads, mc.head_dim, kv_dtype)
+    if torch.device(device).type == "cuda" and config.kv_cache_memory_bytes is None:
+        budget = cuda_kv_budget(config, model, bs, torch.device(device), dtype, kv_dtype)
+    else:
+        budget = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    budgets = tp.gather_object(budget)
+    num_blocks = None
+    if tp.rank == 0:
+        num_blocks, smallest = num_blocks_for(budgets, per_token * bs)
+        if tp.is_parallel:
+            logger.info("KV budgets per rank (MiB): %s; rank %d is the smallest: %d blocks",
+                        [round(b / 2**20, 1) for b in budgets], smallest, num_blocks)
+    num_blocks = tp.broadcast_object(num_blocks)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory_bytes={min(budgets) if budgets else budget} is too small: one KV block of {bs} tokens "
+            f"needs {per_token * bs} bytes"
+        )
+    runner = ModelRunner(model, num_blocks, bs, device, dtype, get_attention_backend(torch.device(device).type),
+                         kv_dtype)
+    return runner, num_blocks
