@@ -4,7 +4,9 @@ Start-up order (each phase is logged with its duration, cold start matters to au
 parse flags → validate EngineConfig (unbuilt features are refused here: "not supported yet: ...",
 exit status 2) → bind the HTTP port (/health answers 503 "loading") → build the engine in a worker
 thread (weights, tokenizer, KV-cache allocation) → /health turns 200.
-SIGTERM/SIGINT: graceful drain (see ``api/drain.py``), exit status 0. A second signal exits at once.
+SIGTERM/SIGINT: graceful drain (see ``api/drain.py``), then the tensor-parallel workers stop; exit
+status 0. A second signal exits at once. A tensor-parallel worker that dies makes /health 503, aborts
+the in-flight requests and ends the server with status 1 (Kubernetes restarts the pod).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import sys
 import time
 
 logger = logging.getLogger("kvfleet.server")
+
+FATAL_EXIT_DELAY_S = 1.0  # /health stays up (503) this long after a fatal error before the server exits
 
 
 def _process_age_s() -> float | None:
@@ -49,17 +53,17 @@ def available_cpus() -> int:
     return max(1, cpus)
 
 
-def threads_for_cpus(cpus: int) -> int:
-    """Compute threads for the engine on ``cpus`` CPUs: all but one, which is left to the HTTP side
-    (vLLM's CPU backend also keeps a core for its frontend); at least 1. Oversubscribed OpenMP threads
-    spin-wait against each other and slow every step several-fold. The operator renders
-    ``--num-threads`` for CPU pods with the same rule."""
-    return max(1, cpus - 1)
+def threads_for_cpus(cpus: int, tensor_parallel_size: int = 1) -> int:
+    """Compute engine threads per rank on ``cpus`` CPUs: all but one, which is left to the HTTP side
+    (vLLM's CPU backend also keeps a core for its frontend), shared by the tensor-parallel ranks; at
+    least 1. Oversubscribed OpenMP threads spin-wait against each other and slow every step several-fold.
+    The operator renders ``--num-threads`` for CPU pods with the same rule."""
+    return max(1, (cpus - 1) // tensor_parallel_size)
 
 
-def default_num_threads() -> int:
+def default_num_threads(tensor_parallel_size: int = 1) -> int:
     """``threads_for_cpus`` of the CPUs this process may use (``available_cpus``)."""
-    return threads_for_cpus(available_cpus())
+    return threads_for_cpus(available_cpus(), tensor_parallel_size)
 
 
 def _json_arg(text: str) -> dict:
@@ -267,7 +271,7 @@ def engine_config(args: argparse.Namespace):
     if args.served_model_name:
         kwargs["served_model_name"] = args.served_model_name[0]
     if "num_threads" not in kwargs and not os.environ.get("OMP_NUM_THREADS"):
-        kwargs["num_threads"] = default_num_threads()
+        kwargs["num_threads"] = default_num_threads(args.tensor_parallel_size or 1)
     return EngineConfig(**kwargs)
 
 
@@ -358,6 +362,16 @@ async def _serve(app, state, args, t_main: float, age_at_main: float | None) -> 
 
     state.on_load_error = on_load_error
 
+    def on_fatal(reason: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        if state.engine is not None:
+            state.engine.abort_all()  # in-flight requests end now instead of waiting on a dead rank
+        # keep answering /health 503 for a moment (probes and routers see why), then stop
+        loop.call_later(FATAL_EXIT_DELAY_S, setattr, server, "should_exit", True)
+
+    state.on_fatal = on_fatal
+
     async def drain(sig_name: str) -> None:
         state.drain.start()
         timeout = args.shutdown_timeout
@@ -403,6 +417,15 @@ async def _serve(app, state, args, t_main: float, age_at_main: float | None) -> 
         ready_task.cancel()
         return int(exc.code or 1)
     ready_task.cancel()
+    if state.fatal_error is not None:
+        # an engine thread may be blocked in a collective with the dead rank: do not wait for it
+        logger.error("exiting with status %d: %s", exit_code, state.fatal_error)
+        from .executor.workers import stop_all_workers
+
+        stop_all_workers()
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(exit_code)
     return exit_code
 
 

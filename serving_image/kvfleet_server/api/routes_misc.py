@@ -24,7 +24,9 @@ async def health(request: Request) -> Response:
     state = request.app.state.kv
     if state.ready:
         return Response(status_code=200)
-    if state.drain.draining:
+    if state.fatal_error is not None:
+        reason = f"failed: {state.fatal_error}"
+    elif state.drain.draining:
         reason = "draining"
     elif state.engine is None:
         reason = "loading" if state.load_error is None else f"load failed: {state.load_error}"

@@ -69,6 +69,9 @@ class ServerState:
         self.on_load_error: Callable[[BaseException], None] | None = None
         self.created = int(time.time())
         self.load_seconds: float | None = None
+        #: set when the server can no longer serve at all (a tensor-parallel worker died); /health is 503
+        self.fatal_error: str | None = None
+        self.on_fatal: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle (asyncio loop)
 
@@ -96,6 +99,11 @@ class ServerState:
         cfg = getattr(llm, "config", None)
         engine = AsyncEngine(llm, self.metrics)
         engine.start()
+        watch = getattr(llm, "watch_workers", None)
+        if watch is not None:
+            loop = asyncio.get_running_loop()
+            watch(lambda rank, pid, code: loop.call_soon_threadsafe(
+                self.fail, f"tensor-parallel worker rank {rank} (pid {pid}) died with exit code {code}"))
         stats = llm.get_stats()
         self.metrics.set_scheduler_stats(stats)
         self.metrics.set_cache_config(
@@ -105,16 +113,29 @@ class ServerState:
             kv_cache_dtype=getattr(cfg, "kv_cache_dtype", "auto"))
         self.engine = engine
 
+    def fail(self, reason: str) -> None:
+        """The server cannot serve any more (asyncio loop): /health turns 503, ``on_fatal`` is told."""
+        if self.fatal_error is not None:
+            return
+        self.fatal_error = reason
+        logger.error("%s: the server cannot serve without every rank; stopping", reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+        stop = getattr(self.llm, "shutdown", None)
+        if stop is not None and self.fatal_error is None:
+            stop()
 
     # ------------------------------------------------------------------ request-time checks
 
     @property
     def ready(self) -> bool:
         """True when a request would be served now (loaded, engine alive, not draining)."""
-        return self.engine is not None and self.engine.is_running and not self.drain.draining
+        return (self.engine is not None and self.engine.is_running and not self.drain.draining
+                and self.fatal_error is None)
 
     @property
     def max_model_len(self) -> int:

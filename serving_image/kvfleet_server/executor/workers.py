@@ -226,6 +226,8 @@ class WorkerGroup:
     def stop(self, grace_s: float = STOP_GRACE_S) -> list[int | None]:
         """Tell every worker to exit, wait up to ``grace_s``, SIGKILL the rest; returns the exit codes
         (idempotent)."""
+        if self in _GROUPS:
+            _GROUPS.remove(self)
         if self._stopping and all(w.proc.returncode is not None for w in self.workers):
             return [w.proc.returncode for w in self.workers]
         self._stopping = True
@@ -272,9 +274,20 @@ def start_workers(config, device_type: str) -> WorkerGroup:
         if placement[0][0]:
             apply_cpu_placement(*placement[0])
     group = WorkerGroup(config, n, device_type, placement)
-    atexit.register(group.stop)
+    _GROUPS.append(group)
+    if len(_GROUPS) == 1:
+        atexit.register(stop_all_workers)
     group.start()
     return group
+
+
+_GROUPS: list[WorkerGroup] = []
+
+
+def stop_all_workers() -> None:
+    """Stop every worker group this process started (at exit, and on a fatal error)."""
+    while _GROUPS:
+        _GROUPS.pop().stop()
 
 
 def _wait_code(proc: subprocess.Popen, timeout: float = 5.0):
