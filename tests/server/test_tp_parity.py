@@ -1,6 +1,7 @@
 """Tensor parallelism on random-weight Llama models (must-show 2): TP = 2 and 4 with 8 query / 2 KV
 heads (KV-head replication at TP = 4) and 8 / 8 heads at TP = 2 give the logits of TP = 1 (float32; the
-all-reduce order moves the last bits only), and greedy generation gives the same tokens. A model with
+all-reduce order moves the last bits only), and greedy generation gives the same tokens; so do int8,
+int4 and fp8 weights quantized at load. A model with
 9 query heads is refused at TP = 2 with the numbers, before any worker starts.
 
 Ranks 1..N-1 are real worker processes (gloo on the CPU), one intra-op thread each."""
@@ -32,15 +33,15 @@ def heads_8_8(tmp_path_factory, hf_tokenizer_dir):
                       num_attention_heads=8, num_key_value_heads=8)
 
 
-def engine(model_dir: str, tp: int) -> LLMEngine:
+def engine(model_dir: str, tp: int, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, tensor_parallel_size=tp, dtype="float32", device="cpu",
-                                  kv_cache_memory_bytes=(2 << 20) // tp, num_threads=1))
+                                  kv_cache_memory_bytes=(2 << 20) // tp, num_threads=1, **kw))
 
 
-def logits_and_tokens(model_dir: str, tp: int):
+def logits_and_tokens(model_dir: str, tp: int, **kw):
     """Logits of every prompt position (chunked prefill + decodes through the paged cache) and greedy
     generations with their logprobs."""
-    eng = engine(model_dir, tp)
+    eng = engine(model_dir, tp, **kw)
     try:
         assert eng.tp.world_size == tp and len(eng.workers.pids() if eng.workers else []) == tp - 1
         req = Request("probe", None, IDS, SamplingParams(), 0.0, 1)
@@ -82,6 +83,14 @@ def test_gqa_8_2_at_tp_2_and_4_matches_tp_1(heads_8_2):
 
 def test_mha_8_8_with_qkv_bias_and_tied_embeddings_at_tp_2_matches_tp_1(heads_8_8):
     _compare(logits_and_tokens(heads_8_8, 1), logits_and_tokens(heads_8_8, 2))
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
+def test_quantized_weights_shard_with_their_scales(heads_8_2, quantization):
+    """Quantized at load per rank: per-output-channel scales (int8, fp8) follow their rows through the
+    column-parallel split, int4's groups of 32 along K stay whole through the row-parallel split."""
+    _compare(logits_and_tokens(heads_8_2, 1, quantization=quantization),
+             logits_and_tokens(heads_8_2, 2, quantization=quantization))
 
 
 def test_nine_heads_at_tp_2_refused_with_the_numbers(tmp_path, hf_tokenizer_dir):

@@ -102,6 +102,10 @@ class Linear(nn.Module):
         self.tp = tp
         self.column_slices = list(column_slices) if column_slices is not None else None
         self.row_slice = row_slice
+        #: row-parallel: absmax of each output row over all input columns, [output_size] float32
+        #: (set while loading; None otherwise)
+        self.row_absmax: torch.Tensor | None = None
+        self.row_absmax_device = torch.get_default_device()
         if self.column_slices is not None:
             output_sizes = [rows for _, rows in self.column_slices]
         if row_slice is not None:
@@ -135,6 +139,10 @@ class Linear(nn.Module):
             start, rows = self.column_slices[shard_id or 0]
             loaded = narrow_padded(loaded, output_dim, start, rows)
         if self.row_slice is not None and input_dim is not None:
+            if isinstance(loaded, torch.Tensor) and loaded.dim() == 2:
+                # per-output-channel scales of a quantize-at-load method span the whole row, not the
+                # rank's columns: the same scales (and quantized values) as without tensor parallelism
+                self.row_absmax = loaded.float().abs().amax(dim=input_dim).to(self.row_absmax_device)
             loaded = loaded.narrow(input_dim, *self.row_slice)
         return loaded
 
@@ -156,6 +164,7 @@ class Linear(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
+        self.row_absmax = None
 
     def weight_bytes(self) -> int:
         return self.quant_method.weight_bytes(self)

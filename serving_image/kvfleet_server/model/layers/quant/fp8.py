@@ -23,10 +23,14 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 
 
-def quantize_per_channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float → (w8 [N, K] float8_e4m3fn, s [N] float32) with w ≈ w8 · s[:, None]."""
+def quantize_per_channel_fp8(w: torch.Tensor,
+                              absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float → (w8 [N, K] float8_e4m3fn, s [N] float32) with w ≈ w8 · s[:, None].
+
+    ``absmax`` [N]: the rows' absolute maxima to scale by (default: w's own; a row-parallel shard
+    passes those of its whole rows, ``Linear.row_absmax``, so every rank keeps the unsharded scales)."""
     w = w.float()
-    s = w.abs().amax(dim=1).clamp(min=1e-12) / FP8_MAX
+    s = (w.abs().amax(dim=1) if absmax is None else absmax.float()).clamp(min=1e-12) / FP8_MAX
     return (w / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
 
 
@@ -42,7 +46,7 @@ class Fp8LinearMethod(QuantMethod):
         self.act_dtype = act_dtype
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        w8, s = quantize_per_channel_fp8(layer.weight.data)
+        w8, s = quantize_per_channel_fp8(layer.weight.data, layer.row_absmax)
         del layer.weight
         layer.register_buffer("qweight", w8, persistent=False)
         set_weight_attrs(s, output_dim=0)

@@ -16,10 +16,14 @@ import torch.nn.functional as F
 from ..linear import Linear, QuantMethod, set_weight_attrs
 
 
-def quantize_per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float → (q [N, K] int8, s [N] float32) with w ≈ q · s[:, None]."""
+def quantize_per_channel_int8(w: torch.Tensor,
+                              absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float → (q [N, K] int8, s [N] float32) with w ≈ q · s[:, None].
+
+    ``absmax`` [N]: the rows' absolute maxima to scale by (default: w's own; a row-parallel shard
+    passes those of its whole rows, ``Linear.row_absmax``, so every rank keeps the unsharded scales)."""
     w = w.float()
-    s = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    s = (w.abs().amax(dim=1) if absmax is None else absmax.float()).clamp(min=1e-12) / 127.0
     q = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, s
 
@@ -32,7 +36,7 @@ class Int8LinearMethod(QuantMethod):
         self.act_dtype = act_dtype
 
     def process_weights_after_loading(self, layer: Linear) -> None:
-        q, s = quantize_per_channel_int8(layer.weight.data)
+        q, s = quantize_per_channel_int8(layer.weight.data, layer.row_absmax)
         del layer.weight
         layer.register_buffer("qweight", q, persistent=False)
         scales = s.to(self.act_dtype)
