@@ -92,8 +92,6 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 BOTH = (COMPLETIONS, CHAT)
 
 ENGINE_REFUSALS: tuple[EngineRefusal, ...] = (
-    EngineRefusal("--tensor-parallel-size", "tensor_parallel_size", "tensor parallelism: one GPU per replica",
-                  _not("tensor_parallel_size", 1), ("--tensor-parallel-size", "2")),
     EngineRefusal("--pipeline-parallel-size", "pipeline_parallel_size", "pipeline parallelism",
                   _not("pipeline_parallel_size", 1), ("--pipeline-parallel-size", "2")),
     EngineRefusal("--speculative-config", "speculative_config", "speculative decoding",

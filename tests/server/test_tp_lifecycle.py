@@ -140,3 +140,35 @@ def test_worker_that_cannot_start_ends_start_up_with_its_error(tiny_llama_dir, t
             proc.kill()
     assert proc.returncode == 1, out
     assert "tensor-parallel rank 1 failed to start: OSError" in out and "cannot bind to CPUs [4000]" in out, out
+
+
+def test_the_operators_rendered_tp_flags_start_a_tp_server(tiny_llama_dir, tmp_path):
+    """Contract with the operator: the flags it renders for engine.tensorParallelSize 2 start a serving
+    TP server. Only what this GPU-less machine needs is replaced: the model path (a local tiny model),
+    --device cpu and a small KV pool; --host/--port come from start_server."""
+    from kvfleet_operator import render
+
+    obj = {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceService",
+           "metadata": {"name": "tp", "namespace": "ns", "uid": "u-1", "generation": 1},
+           "spec": {"model": {"uri": "hf://org/tiny"}, "engine": {"tensorParallelSize": 2, "maxModelLen": 512}}}
+    args = render.render(obj).deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--tensor-parallel-size") + 1] == "2"
+    replace = {"--model": tiny_llama_dir, "--device": "cpu"}
+    drop = {"--host", "--port"}
+    out, i = [], 0
+    while i < len(args):
+        name = args[i]
+        takes_value = i + 1 < len(args) and not args[i + 1].startswith("--")
+        value = args[i + 1] if takes_value else None
+        if name not in drop:
+            out += [name] + ([replace.get(name, value)] if takes_value else [])
+        i += 2 if takes_value else 1
+    served = args[args.index("--served-model-name") + 1]
+    srv = start_server([*out, "--kv-cache-memory-bytes", "2000000", "--num-threads", "1"], str(tmp_path / "s.log"))
+    try:
+        assert len(worker_pids(srv.proc.pid)) == 1
+        r = httpx.post(srv.url + "/v1/completions", json={"model": served, "prompt": "hi", "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        assert srv.stop() == 0, srv.log()

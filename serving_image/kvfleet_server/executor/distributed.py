@@ -31,15 +31,18 @@ import torch.distributed as dist
 
 @dataclass
 class CommTimer:
-    """Seconds and call counts of collectives since the last ``reset()`` (only while ``enabled``)."""
+    """Seconds and call counts of collectives since the last ``reset()`` (only while ``enabled``), and
+    the bytes rank 0 broadcast (pickled step messages)."""
 
     enabled: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    broadcast_bytes: int = 0
 
     def reset(self) -> None:
         self.seconds.clear()
         self.calls.clear()
+        self.broadcast_bytes = 0
 
     def add(self, kind: str, dt: float) -> None:
         self.seconds[kind] = self.seconds.get(kind, 0.0) + dt
@@ -116,6 +119,8 @@ class TPGroup:
         def go():
             if self.rank == 0:
                 data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                if self.timer.enabled:
+                    self.timer.broadcast_bytes += len(data)
                 size = torch.tensor([len(data)], dtype=torch.int64)
                 dist.broadcast(size, src=0, group=self.cpu_group)
                 buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)

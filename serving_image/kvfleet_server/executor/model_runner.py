@@ -16,6 +16,7 @@ other ranks receive it in ``workers.py`` and call ``serve``.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -268,15 +269,33 @@ class ModelRunner:
             self.tp.broadcast_object(("logits", list(rows)))
         return self.model.compute_logits(batch.hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
 
+    def probe_all_reduce(self, rows: int, iters: int = 20) -> float:
+        """Seconds per all-reduce of a [rows, hidden] activation when every rank is idle (no waiting on a
+        slower rank's compute): the transfer cost alone, for the benchmark. Collective."""
+        self.tp.broadcast_object(("probe", (rows, iters)))
+        return self._probe(rows, iters)
+
+    def _probe(self, rows: int, iters: int) -> float:
+        x = torch.zeros(rows, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
+        self.tp.all_reduce(x)  # warm-up, and every rank arrives before the clock starts
+        t = time.perf_counter()
+        for _ in range(iters):
+            self.tp.all_reduce(x)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return (time.perf_counter() - t) / iters
+
     @torch.inference_mode()
     def serve(self, msg) -> bool:
-        """Worker ranks: carry out one message of rank 0 (``("step", StepInputs)``, ``("logits", rows)``);
-        returns False for ``("stop",)``."""
+        """Worker ranks: carry out one message of rank 0 (``("step", StepInputs)``, ``("logits", rows)``,
+        ``("probe", (rows, iters))``); returns False for ``("stop",)``."""
         kind = msg[0]
         if kind == "step":
             self.run(msg[1])
         elif kind == "logits":
             self.model.compute_logits(self.last_hidden[torch.tensor(msg[1], dtype=torch.long, device=self.device)])
+        elif kind == "probe":
+            self._probe(*msg[1])
         elif kind == "stop":
             return False
         else:

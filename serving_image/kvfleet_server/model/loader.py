@@ -52,8 +52,41 @@ def read_hf_config(model_dir: str) -> ModelConfig:
     return ModelConfig.from_hf_dict(raw)
 
 
-def read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
-    """All tensors of model.safetensors, or of the shards listed by model.safetensors.index.json."""
+class LazyTensor:
+    """One safetensors tensor read on demand (tensor parallelism: each rank reads only its slices).
+
+    ``shape`` without reading; ``narrow(dim, start, length)`` reads that slice only (a torch.Tensor);
+    ``materialize()`` (or ``float()``) reads it whole.
+    """
+
+    def __init__(self, handle, name: str):
+        self._handle, self.name = handle, name
+        self.shape = tuple(handle.get_slice(name).get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._handle.get_slice(self.name)[tuple(index)]
+
+    def materialize(self) -> torch.Tensor:
+        return self._handle.get_tensor(self.name)
+
+    def float(self) -> torch.Tensor:
+        return self.materialize().float()
+
+
+def materialize(t):
+    """A torch.Tensor for ``t`` (a LazyTensor is read whole; anything else is returned as is)."""
+    return t.materialize() if isinstance(t, LazyTensor) else t
+
+
+def read_hf_tensors(model_dir: str, lazy: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards listed by model.safetensors.index.json
+    (``lazy``: as ``LazyTensor``s over the open files, read slice by slice while loading)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file
 
     index = os.path.join(model_dir, "model.safetensors.index.json")
@@ -71,7 +104,11 @@ def read_hf_tensors(model_dir: str) -> dict[str, torch.Tensor]:
         path = os.path.join(model_dir, name)
         if not os.path.isfile(path):
             raise ModelLoadError(f"expected weight shard {name!r} listed in the index at {path!r}")
-        tensors.update(load_file(path))
+        if lazy:
+            handle = safe_open(path, framework="pt")
+            tensors.update({k: LazyTensor(handle, k) for k in handle.keys()})
+        else:
+            tensors.update(load_file(path))
     return tensors
 
 
@@ -365,7 +402,8 @@ def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | 
             raise UnsupportedFeatureError(
                 f"not supported: quantization='gguf' needs a .gguf model file, got the directory {path!r}")
         cfg = read_hf_config(path)
-        tensors = read_hf_tensors(path)
+        # tensor parallelism: a rank reads its slices only, not N copies of the checkpoint in host memory
+        tensors = read_hf_tensors(path, lazy=tp is not None and tp.is_parallel)
         kv_scales = hf_kv_cache_scales(cfg, tensors)
         params = hf_to_kvfleet(cfg, tensors)
         del tensors
@@ -412,7 +450,7 @@ def _load_weights(model: torch.nn.Module, params: dict[str, list]) -> None:
             param = own[name]
             loader = getattr(param, "weight_loader", None)
             if loader is None:
-                param.copy_(shards[0])
+                param.copy_(materialize(shards[0]))
             elif len(shards) == 1:
                 loader(param, shards[0])
             else:

@@ -139,12 +139,14 @@ class Linear(nn.Module):
             start, rows = self.column_slices[shard_id or 0]
             loaded = narrow_padded(loaded, output_dim, start, rows)
         if self.row_slice is not None and input_dim is not None:
+            if hasattr(loaded, "materialize"):  # a lazily read checkpoint tensor: read this one whole
+                loaded = loaded.materialize()
             if isinstance(loaded, torch.Tensor) and loaded.dim() == 2:
                 # per-output-channel scales of a quantize-at-load method span the whole row, not the
                 # rank's columns: the same scales (and quantized values) as without tensor parallelism
                 self.row_absmax = loaded.float().abs().amax(dim=input_dim).to(self.row_absmax_device)
             loaded = loaded.narrow(input_dim, *self.row_slice)
-        return loaded
+        return loaded.materialize() if hasattr(loaded, "materialize") else loaded
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: int | None = None) -> None:
         """Copy checkpoint tensor ``loaded`` (this rank's ``tp_slice`` of it) into ``param``'s rows of
