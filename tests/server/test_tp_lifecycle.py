@@ -70,6 +70,32 @@ def test_sigterm_mid_stream_drains_then_every_worker_exits(tiny_llama_dir, tmp_p
         srv.stop()
 
 
+def test_health_is_503_until_every_rank_is_loaded(tiny_llama_dir, tmp_path):
+    log = tmp_path / "s.log"
+    port = free_port()
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvfleet_server.cli", "--host", "127.0.0.1", "--port", str(port),
+                                 "--model", tiny_llama_dir, *TP], stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        codes: list[int] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                codes.append(httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code)
+            except httpx.HTTPError:
+                pass
+            if codes and codes[-1] == 200:
+                break
+            time.sleep(0.02)
+        text = log.read_text()
+        assert codes and codes[-1] == 200 and 503 in codes, (codes[-5:], text)
+        assert "rank1 kvfleet.workers: shard loaded" in text  # the worker had loaded when /health turned 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
 def test_sigkill_of_rank_0_leaves_no_worker_after_5_s(tiny_llama_dir, tmp_path):
     srv = start_server(["--model", tiny_llama_dir, *TP], str(tmp_path / "s.log"))
     try:

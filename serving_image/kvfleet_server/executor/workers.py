@@ -335,7 +335,9 @@ def worker_main(conn: Connection) -> int:
         tp = TPGroup(rank, order["world_size"], torch.device(order["device"]))
         t0 = time.monotonic()
         model, _, _ = build_shard(config, tp)
-        conn.send(("loaded", {"rank": rank, "pid": os.getpid(), "load_s": time.monotonic() - t0}))
+        load_s = time.monotonic() - t0
+        logger.info("shard loaded in %.2fs", load_s)
+        conn.send(("loaded", {"rank": rank, "pid": os.getpid(), "load_s": load_s}))
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then exit non-zero
         traceback.print_exc()
         try:
