@@ -9,9 +9,10 @@ Two groups per tensor-parallel set of N ranks, as vLLM keeps them:
   small Python objects off the GPU stream.
 
 A rank builds its ``TPGroup`` first (rank, size, device: enough to build its model shard) and
-``connect``s it once every rank has loaded. ``TPGroup`` is passed explicitly to the model (no module-global state), so an engine with N = 1 and one
-with N = 3 can live in the same process one after the other. With ``world_size == 1`` every
-collective is the identity and no torch.distributed call is made.
+``connect``s it once every rank has loaded. ``TPGroup`` is passed explicitly to the model (no
+module-global state), so an engine with N = 1 and one with N = 3 can live in the same process one after
+the other. With ``world_size == 1`` every collective is the identity and no torch.distributed call is
+made.
 
 ``CommTimer`` accumulates the wall time spent in all-reduce / gather / broadcast (the benchmark breaks
 step time down with it); on CUDA a timed collective synchronizes the device first, so timing is off

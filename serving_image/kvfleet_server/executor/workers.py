@@ -178,8 +178,8 @@ class WorkerGroup:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.stop()
-                raise WorkerStartupError(
-                    f"tensor-parallel rank(s) {sorted(w.rank for w in pending.values())} not loaded after {timeout_s:.0f}s")
+                ranks = sorted(w.rank for w in pending.values())
+                raise WorkerStartupError(f"tensor-parallel rank(s) {ranks} not loaded after {timeout_s:.0f}s")
             for conn in wait(list(pending), timeout=left):
                 w = pending[conn]
                 try:
