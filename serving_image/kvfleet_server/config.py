@@ -17,6 +17,10 @@ BUNDLED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB (vLLM's VLLM_CPU_KVCACHE_SPACE default is 4 GiB)
 MAX_DEFAULT_MODEL_LEN = 8192
+#: --structured-outputs-config keys: vLLM's backend / disable_any_whitespace, and kvfleet's max_whitespace
+#: (JSON whitespace cap between two tokens) and compile_timeout (seconds a request waits for its grammar).
+STRUCTURED_OUTPUTS_DEFAULTS = {"backend": "auto", "disable_any_whitespace": False, "max_whitespace": 2,
+                               "compile_timeout": 5.0}
 
 
 def bundled_model_path() -> str:
@@ -61,6 +65,10 @@ class EngineConfig:
         enable_prefix_caching: reuse KV of identical prompt prefixes (issue 7).
         seed: seeds the RNG used for requests without their own seed.
         served_model_name: model name reported by the API (default: derived from ``model``).
+        structured_outputs_config: vLLM's StructuredOutputsConfig as a dict (see STRUCTURED_OUTPUTS_DEFAULTS);
+            backend "auto" or "xgrammar" (the only grammar engine).
+        enable_jump_forward: append a grammar's forced continuation without sampling it (SGLang's
+            compressed-FSM jump-forward); off by default.
     """
 
     model: str | None = None
@@ -81,6 +89,8 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     num_threads: int | None = None
+    structured_outputs_config: dict | None = None
+    enable_jump_forward: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -103,6 +113,20 @@ class EngineConfig:
             raise UnsupportedFeatureError(
                 f"not supported yet: kv_cache_dtype={self.kv_cache_dtype!r} (the KV cache uses the model dtype)"
             )
+        so = self.structured_outputs_config or {}
+        unknown = sorted(set(so) - set(STRUCTURED_OUTPUTS_DEFAULTS))
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown key(s) {unknown}; "
+                             f"known: {sorted(STRUCTURED_OUTPUTS_DEFAULTS)}")
+        if so.get("backend", "auto") not in ("auto", "xgrammar"):
+            raise UnsupportedFeatureError(
+                f"not supported yet: structured_outputs_config.backend={so['backend']!r} (only xgrammar)")
+        mw = so.get("max_whitespace", 0)
+        if mw is not None and (not isinstance(mw, int) or isinstance(mw, bool) or mw < 0):
+            raise ValueError(f"structured_outputs_config.max_whitespace must be a non-negative integer or null, got {mw!r}")
+        ct = so.get("compile_timeout", 1.0)
+        if isinstance(ct, bool) or not isinstance(ct, (int, float)) or not ct > 0:
+            raise ValueError(f"structured_outputs_config.compile_timeout must be a positive number of seconds, got {ct!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -137,6 +161,9 @@ class EngineConfig:
         if name == "float16" and self.resolved_device() == "cpu":
             raise UnsupportedFeatureError("not supported yet: dtype float16 on CPU (use float32 or bfloat16)")
         return getattr(torch, name)
+
+    def resolved_structured_outputs(self) -> dict:
+        return {**STRUCTURED_OUTPUTS_DEFAULTS, **(self.structured_outputs_config or {})}
 
     def resolved_model(self) -> str:
         return resolve_model(self.model)
