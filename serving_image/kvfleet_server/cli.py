@@ -60,9 +60,9 @@ def _json_arg(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--speculative-config must be a JSON object: {exc}") from None
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {exc}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("--speculative-config must be a JSON object")
+        raise argparse.ArgumentTypeError("must be a JSON object")
     return value
 
 
@@ -112,6 +112,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tensor-parallel-size", type=_positive_int, default=1, help="number of tensor-parallel ranks")
     e.add_argument("--speculative-config", type=_json_arg, default=None,
                    help='speculative decoding, JSON (e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\')')
+    e.add_argument("--structured-outputs-config", type=_json_arg, default=None,
+                   help='structured output, JSON: vLLM\'s {"backend": "auto"|"xgrammar", "disable_any_whitespace": '
+                        'bool} and kvfleet\'s {"max_whitespace": int (JSON whitespace between tokens, default 2), '
+                        '"compile_timeout": seconds (default 5)}')
+    e.add_argument("--enable-jump-forward", action="store_true",
+                   help="append a grammar's forced continuation without sampling it (structured output)")
+    t = p.add_argument_group("tools")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides, --tool-call-parser extracts the calls')
+    t.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="tool-call format of the model's output for tool_choice auto")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to bind")
     s.add_argument("--port", type=int, default=8000, help="port to bind")
@@ -133,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
 ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_memory_utilization",
                  "kv_cache_memory_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
-                 "speculative_config", "seed", "num_threads")
+                 "speculative_config", "seed", "num_threads", "structured_outputs_config", "enable_jump_forward")
 
 
 def engine_config(args: argparse.Namespace):
@@ -155,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        print("error: --enable-auto-tool-choice requires --tool-call-parser", file=sys.stderr)
+        return 2
     if args.shutdown_timeout < 0:
         print("error: --shutdown-timeout must be non-negative", file=sys.stderr)
         return 2
@@ -173,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         served_model_names=args.served_model_name or [config.resolved_served_name()], api_key=args.api_key,
         max_queue_len=args.max_queue_len, shutdown_timeout=args.shutdown_timeout,
         max_model_len=args.max_model_len or 2048, max_num_batched_tokens=args.max_num_batched_tokens or 2048,
-        root=args.model)
+        root=args.model, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser)
 
     def factory():
         t0 = time.monotonic()

@@ -1,6 +1,7 @@
 """Pure conversions between the OpenAI request/response shapes and the engine's types (no I/O).
 
-- request → ``SamplingParams`` (vLLM's meaning for every field; unbuilt fields refused);
+- request → ``SamplingParams`` (vLLM's meaning for every field; unbuilt fields refused; the structured-output
+  spec is added by the route once compiled);
 - engine ``PositionLogprobs`` → OpenAI's legacy completion logprobs and chat logprobs;
 - prompt forms of /v1/completions → a list of engine prompts.
 """
@@ -66,15 +67,9 @@ def completion_sampling_params(req: CompletionRequest) -> SamplingParams:
 
 
 def chat_sampling_params(req: ChatCompletionRequest) -> SamplingParams:
-    """SamplingParams for /v1/chat/completions (``logprobs: true`` alone means the chosen token only)."""
-    if req.tools:
-        raise UnsupportedFeatureError("not supported yet: tools (function calling)")
+    """SamplingParams for /v1/chat/completions (``logprobs: true`` alone means the chosen token only).
+    Tools and structured output are added by the route (api/tools.py, api/structured.py)."""
     _refuse_unbuilt(req, ("echo", "prompt_logprobs"))
-    if req.tool_choice not in (None, "none", "auto"):
-        raise UnsupportedFeatureError("not supported yet: tool_choice")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise UnsupportedFeatureError(f"not supported yet: response_format {req.response_format.get('type')!r} "
-                                      "(structured output)")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
     if req.top_logprobs is not None and not (0 <= req.top_logprobs <= 20):

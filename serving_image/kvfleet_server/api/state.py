@@ -29,6 +29,7 @@ class ServerSettings:
         max_model_len / max_num_batched_tokens: only size the token histograms before the engine is loaded.
         retry_after_s: value of the Retry-After header on 429/503.
         root: what /v1/models reports as each model's ``root`` (the --model value).
+        enable_auto_tool_choice / tool_call_parser: vLLM's flags for ``tool_choice: "auto"`` (api/tools.py).
     """
 
     served_model_names: list[str]
@@ -39,6 +40,8 @@ class ServerSettings:
     max_num_batched_tokens: int = 2048
     retry_after_s: int = 1
     root: str | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 class ServerState:

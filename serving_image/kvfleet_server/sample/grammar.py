@@ -11,21 +11,22 @@ per-state cache of context-independent tokens, so that a per-step token bitmask 
   rollback, termination, the forced continuation (jump-forward) and ``fork`` for n > 1.
 - ``allocate_bitmask`` / ``apply_bitmask``: the batched mask the sampler applies to the logits.
 
-What xgrammar refuses (an unsupported JSON-Schema keyword, a regex feature, bad EBNF) is refused with
-``UnsupportedFeatureError`` / ``InvalidRequestError`` naming the field and xgrammar's message: there is
-no second grammar engine to fall back to (decided in docs/structured_output.md).
+What xgrammar refuses (a regex lookahead, bad EBNF) or would accept without enforcing (``not``,
+``uniqueItems``, ``multipleOf``, ...) is refused (HTTP 400) naming the field, the feature and xgrammar's
+message: there is no second grammar engine to fall back to (decided in docs/structured_output.md).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 import time
 
 import torch
 
-from ..errors import InvalidRequestError, UnsupportedFeatureError
+from ..errors import InvalidRequestError
 from ..sampling_params import StructuredOutputsParams
 
 #: JSON whitespace allowed between two tokens of a JSON document (xgrammar's max_whitespace_cnt): a
@@ -38,6 +39,10 @@ DEFAULT_COMPILE_THREADS = 2
 _UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired",
                         "uniqueItems", "contains", "patternProperties", "propertyNames",
                         "unevaluatedProperties", "unevaluatedItems", "multipleOf")
+
+
+class UnsupportedGrammarFeature(InvalidRequestError):
+    """The spec uses a feature the grammar engine refuses or cannot enforce (HTTP 400, ``param`` = the field)."""
 
 
 def _xgr():
@@ -100,17 +105,19 @@ class GrammarCompiler:
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="kvfleet-grammar")
         self._lock = threading.Lock()
 
-    def compile(self, spec: StructuredOutputsParams, param: str = "structured_outputs"):
+    def compile(self, spec: StructuredOutputsParams, param: str | None = None):
         """Compile ``spec`` (blocking) and store the result in ``spec.compiled``; returns it.
+
+        ``param``: the request field the spec came from, named in errors (default ``structured_outputs.<kind>``).
 
         Raises:
             InvalidRequestError: malformed JSON schema text, regex or EBNF (param names the field).
-            UnsupportedFeatureError: a schema keyword the grammar would not enforce, or one xgrammar refuses.
+            UnsupportedGrammarFeature: a schema keyword the grammar would not enforce, or a feature xgrammar refuses.
         """
         if spec.compiled is not None:
             return spec.compiled
         kind = spec.kind
-        field = f"{param}.{kind}"
+        field = param or f"structured_outputs.{kind}"
         c = self._compiler
         try:
             if kind == "json":
@@ -122,9 +129,9 @@ class GrammarCompiler:
                         raise InvalidRequestError(f"{field} is not valid JSON: {exc}", param=field) from None
                 bad = find_unenforced_keyword(schema)
                 if bad is not None:
-                    raise UnsupportedFeatureError(
+                    raise UnsupportedGrammarFeature(
                         f"not supported: JSON Schema keyword {bad.rsplit('.', 1)[-1]!r} at {field}.{bad} "
-                        "(the grammar engine cannot enforce it)")
+                        "(the grammar engine cannot enforce it)", param=field)
                 compiled = c.compile_json_schema(json.dumps(schema), **self._json_layout(), strict_mode=True)
             elif kind == "json_object":
                 compiled = c.compile_json_schema('{"type": "object"}', **self._json_layout(), strict_mode=False)
@@ -135,12 +142,13 @@ class GrammarCompiler:
                 compiled = c.compile_grammar(ebnf)
             else:
                 compiled = c.compile_grammar(spec.grammar)
-        except (InvalidRequestError, UnsupportedFeatureError):
+        except InvalidRequestError:
             raise
         except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError/ValueError with its parser's message
             msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            msg = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", msg)  # xgrammar's "[time] file.cc:94: " prefix
             if "not supported" in msg.lower() or "unsupported" in msg.lower():
-                raise UnsupportedFeatureError(f"not supported: {field}: {msg}") from None
+                raise UnsupportedGrammarFeature(f"not supported: {field}: {msg}", param=field) from None
             raise InvalidRequestError(f"{field} could not be compiled: {msg}", param=field) from None
         spec.compiled = compiled
         return compiled
@@ -150,7 +158,7 @@ class GrammarCompiler:
             return {"any_whitespace": True, "max_whitespace_cnt": self.max_whitespace}
         return {"any_whitespace": False, "separators": (", ", ": ")}
 
-    def submit(self, spec: StructuredOutputsParams, param: str = "structured_outputs") -> concurrent.futures.Future:
+    def submit(self, spec: StructuredOutputsParams, param: str | None = None) -> concurrent.futures.Future:
         """Compile on the pool; the future's result is ``(compiled grammar, seconds)``. A compile that outlives
         the caller's timeout keeps its pool thread until xgrammar returns (it cannot be interrupted)."""
 
