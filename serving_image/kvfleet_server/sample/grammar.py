@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import queue
 import re
 import threading
 import time
@@ -102,8 +103,11 @@ class GrammarCompiler:
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size,
                                                                  stop_token_ids=list(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=True)
-        self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="kvfleet-grammar")
-        self._lock = threading.Lock()
+        # daemon threads (not a ThreadPoolExecutor, whose workers are joined at exit): a pathological compile
+        # that outlived its request's timeout must not hold up the server's shutdown
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(num_threads):
+            threading.Thread(target=self._work, name=f"kvfleet-grammar-{i}", daemon=True).start()
 
     def compile(self, spec: StructuredOutputsParams, param: str | None = None):
         """Compile ``spec`` (blocking) and store the result in ``spec.compiled``; returns it.
@@ -162,15 +166,22 @@ class GrammarCompiler:
         """Compile on the pool; the future's result is ``(compiled grammar, seconds)``. A compile that outlives
         the caller's timeout keeps its pool thread until xgrammar returns (it cannot be interrupted)."""
 
-        def work():
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fut, spec, param))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            fut, spec, param = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():  # the waiter timed out while this was queued
+                continue
             t0 = time.perf_counter()
-            out = self.compile(spec, param)
-            return out, time.perf_counter() - t0
-
-        return self._pool.submit(work)
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+            try:
+                out = self.compile(spec, param)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                fut.set_exception(exc)
+            else:
+                fut.set_result((out, time.perf_counter() - t0))
 
 
 class SequenceGrammar:
