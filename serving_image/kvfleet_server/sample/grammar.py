@@ -37,9 +37,10 @@ DEFAULT_COMPILE_THREADS = 2
 
 # Schema keywords xgrammar 0.2 ignores silently instead of enforcing: refused by name, so that a
 # response never claims to validate against a schema whose constraint was dropped.
+# (checked against xgrammar 0.2.9: multipleOf, patternProperties, propertyNames and unevaluatedProperties
+# are enforced; these are not)
 _UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "dependentRequired",
-                        "uniqueItems", "contains", "patternProperties", "propertyNames",
-                        "unevaluatedProperties", "unevaluatedItems", "multipleOf")
+                        "uniqueItems", "contains", "minContains", "maxContains")
 
 
 class UnsupportedGrammarFeature(InvalidRequestError):
