@@ -1,7 +1,7 @@
 """Structured-output refusals on a real kvfleet-server (tiny random-weight Llama, real engine + xgrammar):
 a refused schema feature and a refused regex feature are 400s naming the field; a pathological schema hits
 the compile timeout (400) while another stream keeps getting tokens (its inter-token gaps measured before
-and during the compile); the server stays healthy and counts the rejections."""
+and during the compile); the server stays healthy and counts the rejections; jump-forward's counter."""
 
 import json
 import statistics
@@ -15,7 +15,8 @@ from server_fixtures import scrape, start_server
 
 ARGS = ["--max-model-len", "1024", "--kv-cache-memory-bytes", "4000000", "--max-num-seqs", "8",
         "--served-model-name", "tiny", "--shutdown-timeout", "5",
-        "--structured-outputs-config", json.dumps({"compile_timeout": 0.5})]
+        "--structured-outputs-config", json.dumps({"compile_timeout": 0.5, "disable_any_whitespace": True}),
+        "--enable-jump-forward"]
 # ~5-15 s to compile on one core (xgrammar 0.2.9): 150 string properties, each with a pattern
 PATHOLOGICAL = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "[a-z]{1,20}"}
                                                  for i in range(150)}}
@@ -54,6 +55,18 @@ def test_refused_features_are_400_naming_the_field(server, body, param, words):
 def test_constrained_output_on_the_tiny_model(server):
     r = _post(server, {"structured_outputs": {"choice": ["alpha", "beta"]}, "max_tokens": 8})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("alpha", "beta")
+
+
+def test_jump_forward_is_counted(server):
+    schema = {"type": "object", "properties": {"first_answer": {"type": "boolean"},
+                                               "second_answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["first_answer", "second_answer"], "additionalProperties": False}
+    before = scrape(server.url).get("kvfleet:jump_forward_tokens_total{}", 0)
+    r = _post(server, {"structured_outputs": {"json": schema}, "max_tokens": 40})
+    assert r.status_code == 200
+    doc = json.loads(r.json()["choices"][0]["text"])
+    assert set(doc) == {"first_answer", "second_answer"} and doc["second_answer"] in ("yes", "no")
+    assert scrape(server.url)["kvfleet:jump_forward_tokens_total{}"] > before
 
 
 def test_pathological_schema_hits_the_timeout_without_stalling_other_streams(server):
