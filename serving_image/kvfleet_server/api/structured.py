@@ -136,7 +136,7 @@ async def compile_spec(llm, spec: StructuredOutputsParams, param: str, metrics=N
             exceeded ``structured_outputs_config.compile_timeout`` seconds (the engine is not blocked:
             the compile finishes, or not, in its pool thread; its result is cached for a retry).
     """
-    if not hasattr(llm, "grammar_compiler"):
+    if not hasattr(type(llm), "grammar_compiler"):  # on the class: the property builds the compiler
         raise InvalidRequestError(f"{param}: this engine has no structured-output support", param=param)
     cfg = getattr(llm, "config", None)
     timeout = (cfg.resolved_structured_outputs()["compile_timeout"] if cfg is not None
