@@ -44,6 +44,8 @@ def check_json_schema(schema, param: str) -> dict:
         where = ".".join(str(p) for p in exc.absolute_path)
         raise InvalidRequestError(f"{param} is not a valid JSON Schema: {exc.message}"
                                   + (f" (at {where})" if where else ""), param=param) from None
+    except Exception as exc:  # noqa: BLE001 - e.g. a non-string $schema, a schema nested too deep
+        raise InvalidRequestError(f"{param} is not a valid JSON Schema: {type(exc).__name__}", param=param) from None
     return schema
 
 

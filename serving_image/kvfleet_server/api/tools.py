@@ -138,7 +138,8 @@ def inject_tools(messages: list[dict], tools: list[dict], raw_messages) -> list[
         if m["role"] == "assistant" and getattr(raw, "tool_calls", None):
             parts = [content] if content else []
             for tc in raw.tool_calls:
-                fn = (tc or {}).get("function") or {}
+                fn = tc.get("function") if isinstance(tc, dict) else None
+                fn = fn if isinstance(fn, dict) else {}
                 args = fn.get("arguments", "{}")
                 try:
                     args = json.loads(args) if isinstance(args, str) else args
@@ -210,8 +211,11 @@ class RequiredCallStreamer:
                     self._obj_start = i
             elif ch in "]}":
                 if ch == "}" and self._depth == 2 and self._obj_start is not None:
-                    obj = json.loads(self._buf[self._obj_start: i + 1])
-                    calls.append(ParsedCall(obj["name"], format_arguments(obj["arguments"])))
+                    try:
+                        obj = json.loads(self._buf[self._obj_start: i + 1])
+                        calls.append(ParsedCall(str(obj["name"]), format_arguments(obj["arguments"])))
+                    except (ValueError, KeyError, TypeError):  # not a {name, arguments} object: not a call
+                        pass
                     self._obj_start = None
                 self._depth -= 1
             i += 1
