@@ -200,6 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--speculative-config", type=_json_arg, default=None,
                    help='speculative decoding, JSON (e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\')')
     e.add_argument("--enable-lora", action="store_true", help="LoRA adapters (refused: not supported yet)")
+    e.add_argument("--structured-outputs-config", type=_json_arg, default=None,
+                   help='structured output, JSON: vLLM\'s {"backend": "auto"|"xgrammar", "disable_any_whitespace": '
+                        'bool} and kvfleet\'s {"max_whitespace": int (JSON whitespace between tokens, default 2), '
+                        '"compile_timeout": seconds (default 5)}')
+    e.add_argument("--enable-jump-forward", action="store_true",
+                   help="append a grammar's forced continuation without sampling it (structured output)")
+    t = p.add_argument_group("tools")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides, --tool-call-parser extracts the calls')
+    t.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="tool-call format of the model's output for tool_choice auto")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="0.0.0.0", help="address to bind")
     s.add_argument("--port", type=int, default=8000, help="port to bind")
@@ -232,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
 ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_memory_utilization",
                  "kv_cache_memory_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
-                 "speculative_config", "seed", "num_threads", "max_logprobs")
+                 "speculative_config", "seed", "num_threads", "max_logprobs",
+                 "structured_outputs_config", "enable_jump_forward")
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:
@@ -250,6 +262,8 @@ def parse_flags(argv: list[str]) -> argparse.Namespace:
     args.model = args.model if args.model is not None else (args.model_tag or "smollm2")
     if args.shutdown_timeout < 0:
         raise FlagError("--shutdown-timeout must be non-negative")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise FlagError("--enable-auto-tool-choice requires --tool-call-parser")
     if args.max_logprobs < -1:
         raise FlagError(f"--max-logprobs must be -1 or non-negative, got {args.max_logprobs}")
     for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -316,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         max_model_len=args.max_model_len or 2048, max_num_batched_tokens=args.max_num_batched_tokens or 2048,
         root=args.model, max_logprobs=args.max_logprobs, chat_template=chat_template,
         cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
-              "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials})
+              "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials},
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
     def factory():
         t0 = time.monotonic()

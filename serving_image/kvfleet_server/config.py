@@ -28,6 +28,10 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 #: methods whose CPU kernels are vectorized for bfloat16 activations: dtype "auto" picks bfloat16 on CPU
 BF16_CPU_METHODS = ("int8", "int4", "gguf")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+#: --structured-outputs-config keys: vLLM's backend / disable_any_whitespace, and kvfleet's max_whitespace
+#: (JSON whitespace cap between two tokens) and compile_timeout (seconds a request waits for its grammar).
+STRUCTURED_OUTPUTS_DEFAULTS = {"backend": "auto", "disable_any_whitespace": False, "max_whitespace": 2,
+                               "compile_timeout": 5.0}
 
 
 def bundled_model_path() -> str:
@@ -80,6 +84,10 @@ class EngineConfig:
             prompt_logprobs); -1 means the vocabulary size (vLLM's --max-logprobs, default 20).
         served_model_name: model name reported by the API (default: the ``model`` string itself, vLLM's
             rule: ``"smollm2"`` for the bundled model, ``"/models/llama"`` for that directory).
+        structured_outputs_config: vLLM's StructuredOutputsConfig as a dict (see STRUCTURED_OUTPUTS_DEFAULTS);
+            backend "auto" or "xgrammar" (the only grammar engine).
+        enable_jump_forward: append a grammar's forced continuation without sampling it (SGLang's
+            compressed-FSM jump-forward); off by default.
     """
 
     model: str | None = None
@@ -101,6 +109,8 @@ class EngineConfig:
     served_model_name: str | None = None
     num_threads: int | None = None
     max_logprobs: int = 20
+    structured_outputs_config: dict | None = None
+    enable_jump_forward: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -135,6 +145,20 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise UnsupportedFeatureError(
                 f"not supported: kv_cache_dtype={self.kv_cache_dtype!r}; expected one of {list(KV_CACHE_DTYPE_CHOICES)}")
+        so = self.structured_outputs_config or {}
+        unknown = sorted(set(so) - set(STRUCTURED_OUTPUTS_DEFAULTS))
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown key(s) {unknown}; "
+                             f"known: {sorted(STRUCTURED_OUTPUTS_DEFAULTS)}")
+        if so.get("backend", "auto") not in ("auto", "xgrammar"):
+            raise UnsupportedFeatureError(
+                f"not supported yet: structured_outputs_config.backend={so['backend']!r} (only xgrammar)")
+        mw = so.get("max_whitespace", 0)
+        if mw is not None and (not isinstance(mw, int) or isinstance(mw, bool) or mw < 0):
+            raise ValueError(f"structured_outputs_config.max_whitespace must be a non-negative integer or null, got {mw!r}")
+        ct = so.get("compile_timeout", 1.0)
+        if isinstance(ct, bool) or not isinstance(ct, (int, float)) or not ct > 0:
+            raise ValueError(f"structured_outputs_config.compile_timeout must be a positive number of seconds, got {ct!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -184,6 +208,9 @@ class EngineConfig:
         if refused:
             raise UnsupportedFeatureError(refused[0].message(self.settings(dtype=name)))
         return getattr(torch, name)
+
+    def resolved_structured_outputs(self) -> dict:
+        return {**STRUCTURED_OUTPUTS_DEFAULTS, **(self.structured_outputs_config or {})}
 
     def resolved_model(self) -> str:
         return resolve_model(self.model)

@@ -35,6 +35,9 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+STRUCTURED_REJECTIONS = ("invalid", "unsupported_feature", "compile_timeout")
+COMPILE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 LOG_STATS_INTERVAL_S = 10.0  # vLLM's default interval of its stats log line
 
 stats_logger = logging.getLogger("kvfleet.stats")
@@ -145,6 +148,20 @@ class ServerMetrics:
         for reason in ("queue_full", "draining"):
             self._rejections.labels(**self.labels, reason=reason)
 
+        self._so_requests = Counter("kvfleet:structured_output_requests",
+                                    "Requests admitted with a structured-output grammar, by kind.",
+                                    names + ["kind"], registry=r)
+        for kind in STRUCTURED_KINDS:
+            self._so_requests.labels(**self.labels, kind=kind)
+        self._so_rejections = Counter("kvfleet:structured_output_rejections",
+                                      "Structured-output requests refused (HTTP 400), by reason.",
+                                      names + ["reason"], registry=r)
+        for reason in STRUCTURED_REJECTIONS:
+            self._so_rejections.labels(**self.labels, reason=reason)
+        self.so_compile_time = hist("kvfleet:structured_output_compile_seconds",
+                                    "Seconds to compile a request's grammar (cache hits included).", COMPILE_BUCKETS)
+        self.jump_forward_tokens = counter("kvfleet:jump_forward_tokens",
+                                           "Tokens appended from grammars' forced continuations without sampling.")
         self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.tpot = hist("vllm:request_time_per_output_token_seconds",
@@ -205,8 +222,17 @@ class ServerMetrics:
     def admission_rejected(self, reason: str) -> None:
         self._rejections.labels(**self.labels, reason=reason).inc()
 
+    def structured_output_compiled(self, kind: str, seconds: float) -> None:
+        """A request's grammar is ready (it is admitted next)."""
+        self._so_requests.labels(**self.labels, kind=kind).inc()
+        self.so_compile_time.observe(seconds)
+
+    def structured_output_rejected(self, reason: str) -> None:
+        self._so_rejections.labels(**self.labels, reason=reason).inc()
+
     def on_iteration(self, it: IterationStats) -> None:
         """Account one engine step (prompt tokens are counted per request in ``on_output``, vLLM's meaning)."""
+        self.jump_forward_tokens.inc(getattr(it, "num_jump_forward_tokens", 0))
         self.generation_tokens.inc(it.num_generation_tokens)
         self.num_preemptions.inc(it.num_preemptions)
         self.prefix_cache_queries.inc(it.prefix_cache_queries)

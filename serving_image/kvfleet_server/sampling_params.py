@@ -10,6 +10,53 @@ from dataclasses import dataclass, field
 
 from .errors import InvalidRequestError
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint enforced while decoding (vLLM's ``StructuredOutputsParams``); exactly one field is set.
+
+    Attributes:
+        json: a JSON Schema (dict or JSON text); the output is a JSON document valid against it.
+        regex: a regular expression the whole output matches.
+        choice: a list of strings; the output is exactly one of them.
+        grammar: an EBNF grammar (GBNF/xgrammar dialect, start symbol ``root``).
+        json_object: True: the output is any JSON object (OpenAI's ``response_format: json_object``).
+        compiled: the compiled grammar, filled by ``sample.grammar.GrammarCompiler`` (the server compiles
+            off the engine thread before adding the request; the engine compiles it otherwise).
+
+    Raises:
+        InvalidRequestError: from ``validate()`` when no field or several are set, or a field has the wrong type.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    compiled: object | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def validate(self, param: str = "structured_outputs") -> None:
+        set_ = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise InvalidRequestError(
+                f"{param} must set exactly one of {', '.join(STRUCTURED_KINDS)}; got "
+                f"{', '.join(set_) if set_ else 'none'}", param=param)
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequestError(f"{param}.json must be a JSON Schema object", param=f"{param}.json")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise InvalidRequestError(f"{param}.regex must be a string", param=f"{param}.regex")
+        if self.grammar is not None and not (isinstance(self.grammar, str) and self.grammar.strip()):
+            raise InvalidRequestError(f"{param}.grammar must be a non-empty EBNF string", param=f"{param}.grammar")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError(f"{param}.choice must be a non-empty list of non-empty strings",
+                                      param=f"{param}.choice")
 
 
 @dataclass
@@ -35,6 +82,8 @@ class SamplingParams:
         logprobs: number of top log-probabilities (0..20) to return per generated token; None = off.
         prompt_logprobs: number of top log-probabilities per prompt token; None = off.
         skip_special_tokens: leave special tokens out of the detokenized text.
+        structured_outputs: a grammar the output must follow (JSON schema, regex, choice, EBNF, any JSON
+            object); EOS and stop_token_ids are only allowed where the grammar can end.
 
     Raises:
         InvalidRequestError: from ``validate()`` when a field is outside its range.
@@ -58,6 +107,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -108,3 +158,5 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()

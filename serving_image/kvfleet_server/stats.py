@@ -41,6 +41,8 @@ class IterationStats:
         num_preemptions: sequences preempted in this step.
         prefix_cache_queries: prompt tokens looked up in the prefix cache at admission.
         prefix_cache_hits: of those, tokens whose KV was reused.
+        num_jump_forward_tokens: tokens appended from grammars' forced continuations (no sampling).
+        structured_output_mask_s: seconds spent filling grammar bitmasks in this step.
     """
 
     num_prompt_tokens: int = 0
@@ -48,6 +50,8 @@ class IterationStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_jump_forward_tokens: int = 0
+    structured_output_mask_s: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -35,8 +35,10 @@ class ByteTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, max_model_len=256, max_num_seqs=4, num_blocks=32, block_size=16, step_delay=0.0):
+    def __init__(self, max_model_len=256, max_num_seqs=4, num_blocks=32, block_size=16, step_delay=0.0,
+                 text=TEXT):
         self.step_delay = step_delay
+        self.text = text  # what every request emits, one character per step (cycled)
         self.tokenizer = ByteTokenizer()
         self.max_model_len = max_model_len
         self.model_name = "fake"
@@ -93,7 +95,7 @@ class FakeEngine:
                 o.delta_logprobs = [] if p.logprobs is not None else None
                 if o.finished:
                     continue
-                ch = TEXT[len(o.token_ids) % len(TEXT)]
+                ch = self.text[len(o.token_ids) % len(self.text)]
                 tid = ord(ch)
                 o.token_ids.append(tid)
                 it.num_generation_tokens += 1

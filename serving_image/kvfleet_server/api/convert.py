@@ -1,6 +1,7 @@
 """Pure conversions between the OpenAI request/response shapes and the engine's types (no I/O).
 
-- request → ``SamplingParams`` (vLLM's meaning for every field; unbuilt fields refused);
+- request → ``SamplingParams`` (vLLM's meaning for every field; unbuilt fields refused; the structured-output
+  spec is added by the route once compiled);
 - engine ``PositionLogprobs`` → OpenAI's legacy completion logprobs and chat logprobs;
 - prompt forms of /v1/completions → a list of engine prompts.
 """
@@ -77,7 +78,8 @@ def completion_sampling_params(req: CompletionRequest, max_logprobs: int = 20) -
 
 
 def chat_sampling_params(req: ChatCompletionRequest, max_logprobs: int = 20) -> SamplingParams:
-    """SamplingParams for /v1/chat/completions (``logprobs: true`` alone means the chosen token only)."""
+    """SamplingParams for /v1/chat/completions (``logprobs: true`` alone means the chosen token only).
+    Tools and structured output are added by the route (api/tools.py, api/structured.py)."""
     refuse_unbuilt(req, CHAT)
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")

@@ -55,13 +55,16 @@ class _SamplingFields(_Request):
     user: str | None = None
     cache_salt: str | None = Field(None, description="isolates this request's prefix-cache entries")
     logit_bias: dict[str, float] | None = None
+    # structured output (api/structured.py): at most one of these
+    response_format: dict | None = Field(None, description="{'type': 'text' | 'json_object' | 'json_schema', "
+                                                            "'json_schema': {'name', 'schema', 'strict'}}")
+    structured_outputs: object | None = Field(None, description="vLLM's: {json | regex | choice | grammar | json_object}")
+    guided_json: object | None = Field(None, description="vLLM's older name of structured_outputs.json")
+    guided_regex: object | None = Field(None, description="vLLM's older name of structured_outputs.regex")
+    guided_choice: object | None = Field(None, description="vLLM's older name of structured_outputs.choice")
+    guided_grammar: object | None = Field(None, description="vLLM's older name of structured_outputs.grammar")
     # vLLM fields not built yet: declared so that a request setting one is refused (unsupported.REQUEST_REFUSALS),
     # never silently ignored
-    guided_json: object | None = Field(None, description="refused: not supported yet")
-    guided_regex: object | None = Field(None, description="refused: not supported yet")
-    guided_choice: object | None = Field(None, description="refused: not supported yet")
-    guided_grammar: object | None = Field(None, description="refused: not supported yet")
-    structured_outputs: object | None = Field(None, description="refused: not supported yet")
     bad_words: object | None = Field(None, description="refused: not supported yet")
     allowed_token_ids: object | None = Field(None, description="refused: not supported yet")
     logits_processors: object | None = Field(None, description="refused: not supported yet")
@@ -92,6 +95,8 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -105,9 +110,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
-    tools: list[dict] | None = Field(None, description="refused: not supported yet")
-    tool_choice: str | dict | None = Field(None, description="only none/auto without tools")
-    response_format: dict | None = Field(None, description="only {'type': 'text'}")
+    tools: list[dict] | None = Field(None, description="OpenAI function tools (api/tools.py)")
+    tool_choice: str | dict | None = Field(None, description="none | auto | required | {type: function, function: {name}}")
+    parallel_tool_calls: bool | None = None
     echo: object | None = Field(None, description="refused: not supported yet")
     prompt_logprobs: object | None = Field(None, description="refused: not supported yet")
 
@@ -193,6 +198,7 @@ class ChatLogprobs(BaseModel):
 class ResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[dict] = Field(default_factory=list, description="[{id, type: function, function: {name, arguments}}]")
 
 
 class ChatChoice(BaseModel):

@@ -23,6 +23,10 @@ from .protocol import (ChatChoice, ChatCompletionRequest, ChatCompletionResponse
                        CompletionRequest, CompletionResponse, ErrorResponse, ResponseMessage, UsageInfo, now,
                        random_id)
 from .streams import EngineStreamResponse, merge, sse, unless_disconnected
+from .structured import compile_spec, structured_from_request
+from .tool_parser import TOOL_PARSERS
+from .tools import (ChatToolStream, ToolPlan, calls_from_output, call_dict, inject_tools, plan_tools,
+                    template_supports_tools)
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
 router = APIRouter()
@@ -64,6 +68,26 @@ async def _submit(state, prompts: list, params, cache_salt: str | None, prefix: 
     return rid, await engine.add_many(reqs, add_special_tokens)
 
 
+async def _constrain(state, body, plan: ToolPlan | None = None):
+    """The request's compiled structured-output spec (response_format / structured_outputs / guided_* or the
+    tool grammar of required / named tool_choice), or None."""
+    try:
+        spec, param = structured_from_request(body)
+        if plan is not None and plan.spec is not None:
+            if spec is not None:
+                raise InvalidRequestError(f"{param.split('.')[0]} cannot be combined with tool_choice "
+                                          f"{'required' if plan.mode == 'required' else 'naming a function'}",
+                                          param=param.split(".")[0])
+            spec, param = plan.spec, "tools"
+    except InvalidRequestError:
+        state.metrics.structured_output_rejected("invalid")
+        raise
+    if spec is None:
+        return None
+    await compile_spec(state.llm, spec, param, state.metrics)
+    return spec
+
+
 def _include_usage(body) -> bool:
     return bool(body.stream_options is not None and body.stream_options.include_usage)
 
@@ -87,6 +111,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
     params = completion_sampling_params(body, state.settings.max_logprobs)
+    params.structured_outputs = await _constrain(state, body)
     rid, streams = await _submit(state, prompts, params, body.cache_salt, "cmpl", body.add_special_tokens)
     tok = state.llm.tokenizer
     prompt_texts = [p if isinstance(p, str) else None for p in prompts]
@@ -212,14 +237,24 @@ def _concat(a, b):
 # ------------------------------------------------------------------ /v1/chat/completions
 
 
-def render_chat(state, body) -> str:
+def render_chat(state, body, plan: ToolPlan | None = None) -> str:
     """Apply the chat template (--chat-template, else the model's; InvalidRequestError with the template's
-    message on a bad layout)."""
+    message on a bad layout); tools go to the template, or into the system message for a template without a
+    tools section."""
     messages = chat_messages(body.messages)
-    custom = {"chat_template": state.settings.chat_template} if state.settings.chat_template else {}
+    tok = state.llm.tokenizer
+    template = state.settings.chat_template or getattr(tok, "chat_template", None)
+    kwargs = {"chat_template": state.settings.chat_template} if state.settings.chat_template else {}
+    if template_supports_tools(template):
+        for m, raw in zip(messages, body.messages):
+            m.update({k: v for k, v in (("tool_calls", raw.tool_calls), ("tool_call_id", raw.tool_call_id)) if v})
+        if plan is not None and plan.tools:
+            kwargs["tools"] = plan.tools
+    else:
+        messages = inject_tools(messages, plan.tools if plan is not None else [], body.messages)
     try:
-        return state.llm.tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
-                                                       tokenize=False, **custom)
+        return tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt,
+                                       tokenize=False, **kwargs)
     except InvalidRequestError:
         raise
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError and friends: the template refused the layout
@@ -234,8 +269,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state.require_engine()
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+    settings = state.settings
+    plan = plan_tools(body, getattr(settings, "enable_auto_tool_choice", False),
+                      getattr(settings, "tool_call_parser", None))
+    parser_cls = TOOL_PARSERS.get(getattr(settings, "tool_call_parser", None) or "")
     params = chat_sampling_params(body, state.settings.max_logprobs)
-    prompt = render_chat(state, body)
+    params.structured_outputs = await _constrain(state, body, plan)
+    prompt = render_chat(state, body, plan)
     # the chat template already wrote the special tokens (as vLLM: add_special_tokens=False for chat)
     try:
         rid, streams = await _submit(state, [prompt], params, body.cache_salt, "chatcmpl", False)
@@ -260,6 +300,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                     c["usage"] = usage
                 return sse(c)
 
+            tool_streams = [ChatToolStream(plan, parser_cls) for _ in range(body.n)]
             try:
                 for idx in range(body.n):
                     yield chunk([{"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -273,13 +314,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
                             if k is not None and c.delta_logprobs:
                                 lp = {"content": [e.model_dump() for e in
                                                   chat_logprobs(c.delta_token_ids, c.delta_logprobs, k)]}
-                            if not c.delta_text and c.finish_reason is None and lp is None:
+                            ts = tool_streams[c.index]
+                            text, calls = ts.feed(c.delta_text) if (c.delta_text or ts.active) else ("", [])
+                            if c.finish_reason is not None:
+                                text += ts.finish()
+                            if not text and not calls and c.finish_reason is None and lp is None:
                                 continue
-                            delta = {"content": c.delta_text} if c.delta_text else {}
+                            delta = {"content": text} if text else {}
+                            if calls:
+                                delta["tool_calls"] = calls
+                            reason = c.finish_reason
                             if c.finish_reason is not None:
                                 finished.add(c.index)
+                                if reason == "stop" and ts.num_calls:
+                                    reason = "tool_calls"
                             yield chunk([{"index": c.index, "delta": delta, "logprobs": lp,
-                                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                                          "finish_reason": reason, "stop_reason": c.stop_reason}])
                 except RequestAborted:
                     for idx in range(body.n):
                         if idx not in finished:
@@ -303,8 +353,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         for c in final.outputs:
             lp = ChatLogprobs(content=chat_logprobs(c.token_ids, c.logprobs or [], k)) if k is not None else None
             completion_tokens += len(c.token_ids)
-            choices.append(ChatChoice(index=c.index, message=ResponseMessage(content=c.text), logprobs=lp,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            content, calls = calls_from_output(plan, c.text, parser_cls)
+            reason = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+            message = ResponseMessage(content=content, tool_calls=[call_dict(t) for t in calls])
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
+                                      finish_reason=reason, stop_reason=c.stop_reason))
         resp = ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
                                       usage=_usage([len(final.prompt_token_ids)], completion_tokens))
         return JSONResponse(resp.model_dump())

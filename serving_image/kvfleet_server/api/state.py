@@ -32,6 +32,7 @@ class ServerSettings:
         max_logprobs: most log-probabilities per token a request may ask for (-1: no limit).
         chat_template: Jinja chat template replacing the tokenizer's (--chat-template), or None.
         cors: keyword arguments of starlette's CORSMiddleware (--allowed-origins etc.), or None for no CORS.
+        enable_auto_tool_choice / tool_call_parser: vLLM's flags for ``tool_choice: "auto"`` (api/tools.py).
     """
 
     served_model_names: list[str]
@@ -45,6 +46,8 @@ class ServerSettings:
     max_logprobs: int = 20
     chat_template: str | None = None
     cors: dict | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
 
 
 class ServerState:

@@ -13,6 +13,7 @@ final RequestOutput with finish_reason "abort" for each aborted request.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -30,6 +31,8 @@ from ..model.loader import is_gguf, load_model_config, open_gguf
 from ..model.sharding import check_tp_size
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..executor.model_runner import kv_bytes_per_token
+from ..sample.grammar import GrammarCompiler, SequenceGrammar, allocate_bitmask
+from ..sample.jump_forward import plan_jump_forward
 from ..sample.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
 from ..sampling_params import SamplingParams
 from .scheduler import Request, ScheduledSeq, Scheduler, Sequence, SeqStatus
@@ -135,6 +138,8 @@ class LLMEngine:
         self._rng = torch.Generator().manual_seed(config.seed)
         self._stop_ids_cache: dict[int, list[int]] = {}
         self.last_iteration = IterationStats()
+        self._grammar_compiler: GrammarCompiler | None = None
+        self._grammar_lock = threading.Lock()
         lap("other")
         #: seconds spent per start-up phase (gguf parse, config, weights, tokenizer, kv_cache allocation,
         #: other), in order; the server logs them. No warm-up step is run.
@@ -175,6 +180,18 @@ class LLMEngine:
             num_blocks_cached=pool.num_cached_blocks,
         )
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler (built on first use; thread-safe: the server compiles off the
+        engine thread through ``grammar_compiler.submit``)."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                so = self.config.resolved_structured_outputs()
+                self._grammar_compiler = GrammarCompiler(
+                    self.tokenizer.hf, self.model_config.vocab_size, sorted(self.tokenizer.eos_token_ids),
+                    any_whitespace=not so["disable_any_whitespace"], max_whitespace=so["max_whitespace"])
+            return self._grammar_compiler
+
     def has_unfinished(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished()
 
@@ -197,6 +214,8 @@ class LLMEngine:
             if (getattr(params, name) or 0) > limit:
                 raise InvalidRequestError(f"{name} must be in [0, {limit}] (max_logprobs), got {getattr(params, name)}",
                                           param=name)
+        if params.structured_outputs is not None and params.structured_outputs.compiled is None:
+            self.grammar_compiler.compile(params.structured_outputs)  # blocking; the server compiles beforehand
         if isinstance(prompt, str):
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
@@ -242,6 +261,9 @@ class LLMEngine:
             seed = (seed + index * 0x9E3779B97F4A7C15) % 2**63
             gen = torch.Generator(device=self.device).manual_seed(seed)
         seq = Sequence(req, index, token_ids, gen)
+        if p.structured_outputs is not None and index == 0:
+            stop_ids = sorted(self.tokenizer.eos_token_ids | set(p.stop_token_ids))
+            seq.grammar = SequenceGrammar(p.structured_outputs.compiled, stop_ids)
         seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
         req.seqs.append(seq)
         return seq
@@ -312,6 +334,8 @@ class LLMEngine:
                 req.forked = True
                 for k in range(1, req.params.n):
                     child = self._new_sequence(req, k, seq.token_ids)
+                    if seq.grammar is not None:
+                        child.grammar = seq.grammar.fork()
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.kv.fork(seq.seq_id, child.seq_id)
                     self.scheduler.add_running(child)
@@ -319,11 +343,15 @@ class LLMEngine:
                     seqs.append(child)
         if rows:
             logits = self.runner.compute_logits(batch, rows)
-            tokens, lps = sample(logits, [self._sample_row(s) for s in seqs])
+            t_mask = time.perf_counter()
+            bitmask = self._grammar_bitmask(seqs)
+            it.structured_output_mask_s = time.perf_counter() - t_mask
+            tokens, lps = sample(logits, [self._sample_row(s) for s in seqs], bitmask)
             now = time.monotonic()
             for seq, tok, lp in zip(seqs, tokens, lps):
-                self._append_token(seq, tok, lp)
-                it.num_generation_tokens += 1
+                jumped = self._append_token(seq, tok, lp)
+                it.num_generation_tokens += 1 + jumped
+                it.num_jump_forward_tokens += jumped
                 req = seq.request
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
@@ -349,6 +377,15 @@ class LLMEngine:
                     self.scheduler.remove(s)
                 s.status = SeqStatus.FINISHED
                 s.finish_reason = "length"
+    def _grammar_bitmask(self, seqs: list[Sequence]):
+        """(bitmask, rows) of the sequences under a grammar, or None when there is none."""
+        idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not idx:
+            return None
+        bitmask = allocate_bitmask(len(seqs), self.model_config.vocab_size)
+        for i in idx:
+            seqs[i].grammar.fill_bitmask(bitmask, i)
+        return bitmask, idx
 
     def _sample_row(self, seq: Sequence) -> SampleRow:
         p = seq.request.params
@@ -371,34 +408,58 @@ class LLMEngine:
                 d[t] = Logprob(t, v, self.tokenizer.id_to_piece(t), r)
         return d
 
-    def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprobs | None) -> None:
+    def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprobs | None) -> int:
+        """Append the sampled token (and, with jump-forward, the grammar's forced tokens after it), check
+        stop conditions; returns how many tokens jump-forward added beyond the sampled one."""
         req = seq.request
         p = req.params
         seq.token_ids.append(tok)
         if seq.logprobs is not None and lp is not None:
             seq.logprobs.append(self._logprob_entry(tok, lp))
+        g = seq.grammar
+        if g is not None and not g.accept(tok):  # cannot happen under the bitmask; end the sequence, never crash
+            logger.error("request %s: sampled token %d outside its grammar", req.request_id, tok)
+            self._finish(seq, "stop")
+            return 0
+        toks = [tok]
+        if (g is not None and self.config.enable_jump_forward and seq.logprobs is None
+                and not g.is_terminated and tok not in p.stop_token_ids):
+            budget = min(req.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) + 1
+            plan = plan_jump_forward(g, self.tokenizer, seq.output_token_ids, budget)
+            if plan is not None:
+                seq.token_ids[-1:] = plan
+                toks = plan
         reason = None
-        if tok in p.stop_token_ids:
-            reason, seq.stop_reason = "stop", tok
-        elif tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
-            reason = "stop"
-        else:
-            delta = seq.detok.add(tok)
-            if delta:
-                old = len(seq.text)
-                seq.text += delta
-                if p.stop:
-                    m = find_stop(seq.text, old, p.stop)
-                    if m is not None:
-                        idx, s = m
-                        seq.text = seq.text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
-                        reason, seq.stop_reason = "stop", s
+        for tok in toks:
+            if tok in p.stop_token_ids:
+                reason, seq.stop_reason = "stop", tok
+            elif tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
+                reason = "stop"
+            else:
+                delta = seq.detok.add(tok)
+                if delta:
+                    old = len(seq.text)
+                    seq.text += delta
+                    if p.stop:
+                        m = find_stop(seq.text, old, p.stop)
+                        if m is not None:
+                            idx, s = m
+                            seq.text = seq.text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
+                            reason, seq.stop_reason = "stop", s
+            if reason is not None:
+                break
+        if reason is None and g is not None and g.is_terminated:
+            reason = "stop"  # ignore_eos: the grammar ended, nothing may follow
         if reason is None and (seq.num_output_tokens >= req.max_tokens or len(seq.token_ids) >= self.max_model_len):
             reason = "length"
         if reason is not None:
-            seq.finish_reason = reason
-            self.scheduler.remove(seq)
-            seq.status = SeqStatus.FINISHED
+            self._finish(seq, reason)
+        return len(toks) - 1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
 
     def _prompt_logprobs(self, scheduled: list[ScheduledSeq], batch) -> None:
         for i, s in enumerate(scheduled):

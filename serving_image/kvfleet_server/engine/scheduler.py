@@ -62,6 +62,8 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.logprobs: list[PositionLogprobs] | None = [] if request.params.logprobs is not None else None
         self.detok = None  # set by the engine (IncrementalDetokenizer)
+        self.grammar = None  # structured output: sample.grammar.SequenceGrammar, set by the engine; kept on
+        # preemption (recompute keeps token_ids, so the matcher state stays right)
         self.text = ""  # output text (stop string removed once matched)
         self.emitted_text_len = 0
         self.emitted_tokens = 0

@@ -1,8 +1,9 @@
 """Batched token sampling with per-request parameters (runs on the model's device).
 
-Order of operations per row (as in vLLM): raw log-probabilities (returned as logprobs) → penalties
-(repetition: CTRL paper / HF, presence and frequency: OpenAI) → min_tokens masking of EOS and
-stop_token_ids → greedy argmax, or temperature → top-k → top-p → min-p → sampling with the row's
+Order of operations per row (as in vLLM): raw log-probabilities (returned as logprobs) → grammar
+bitmask of structured output (sample/grammar.py) → penalties (repetition: CTRL paper / HF, presence
+and frequency: OpenAI) → min_tokens masking of EOS and stop_token_ids (unless the grammar allows
+nothing else) → greedy argmax, or temperature → top-k → top-p → min-p → sampling with the row's
 own ``torch.Generator`` (exponential race: argmax(p / q), q ~ Exp(1)), so a seeded request draws the
 same numbers whatever else is in the batch.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling_params import SamplingParams
+from .grammar import apply_bitmask
 
 
 @dataclass
@@ -87,25 +89,34 @@ def _filter_random_rows(logits: torch.Tensor, params: list[SamplingParams]) -> t
     return probs
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, rows: list[SampleRow],
+           grammar_bitmask: tuple[torch.Tensor, list[int]] | None = None
+           ) -> tuple[list[int], list[TokenLogprobs | None]]:
     """Choose one token per row.
 
     Args:
         logits: [N, V] float32 (modified in place).
         rows: per row parameters and history.
+        grammar_bitmask: (int32 [N, ceil(V / 32)] bitmask, rows it applies to) for structured output.
     Returns:
         token ids (N ints) and, for rows asking for logprobs, TokenLogprobs (raw model log-probs).
     """
     N = logits.shape[0]
     want_lp = [r.params.logprobs is not None for r in rows]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+    if grammar_bitmask is not None:
+        apply_bitmask(logits, *grammar_bitmask)
 
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
            for r in rows):
         apply_penalties(logits, rows)
     for i, r in enumerate(rows):
         if r.stop_ids_for_min_tokens and len(r.output_ids) < r.params.min_tokens:
-            logits[i, torch.tensor(r.stop_ids_for_min_tokens, device=logits.device)] = float("-inf")
+            stop = torch.tensor(r.stop_ids_for_min_tokens, device=logits.device)
+            kept = logits[i, stop].clone()
+            logits[i, stop] = float("-inf")
+            if not torch.isfinite(logits[i]).any():  # the grammar allows only a stop token: it wins
+                logits[i, stop] = kept
 
     tokens = logits.argmax(dim=-1)
     rand_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
