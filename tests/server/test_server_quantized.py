@@ -34,7 +34,7 @@ def client(server):
 
 
 def test_fp8_server_serves_the_openai_client(server, client):
-    chat = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=12,
+    chat = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=12,
                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in chat.choices[0].message.content
     log = server.log()
@@ -43,7 +43,7 @@ def test_fp8_server_serves_the_openai_client(server, client):
     m = re.search(r"KV cache: (\d+) blocks .*float8_e4m3fn", log)
     assert m, log
     text = httpx.get(server.url + "/metrics").text
-    check_exposition(text, "SmolLM2-135M-Instruct")
+    check_exposition(text, "smollm2")
     info = {f.name: f for f in text_string_to_metric_families(text)}["vllm:cache_config_info"].samples[0].labels
     assert info["kv_cache_dtype"] == "fp8" and info["num_gpu_blocks"] == m.group(1)
     # 64 MiB of e4m3 K+V: 30 layers × 3 kv heads × 64 dims × 2 × 1 byte = 11520 B/token → 364 blocks of 16
@@ -52,7 +52,7 @@ def test_fp8_server_serves_the_openai_client(server, client):
 
 def test_echo_max_tokens_0_scores_the_prompt(client):
     prompt = "The capital of France is Paris."
-    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, echo=True, max_tokens=0, logprobs=1)
+    r = client.completions.create(model="smollm2", prompt=prompt, echo=True, max_tokens=0, logprobs=1)
     c = r.choices[0]
     assert c.text == prompt and c.finish_reason == "length"
     assert r.usage.completion_tokens == 0
@@ -61,7 +61,7 @@ def test_echo_max_tokens_0_scores_the_prompt(client):
     assert lp.token_logprobs[0] is None and all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
     assert len(lp.top_logprobs) == len(lp.tokens)
     with pytest.raises(openai.BadRequestError, match="0 only with echo"):
-        client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=0)
+        client.completions.create(model="smollm2", prompt=prompt, max_tokens=0)
 
 
 def _rss_kib(pid: int) -> dict[str, int]:
@@ -75,7 +75,7 @@ def test_default_server_resident_memory_on_the_bundled_model(tmp_path):
     srv = start_server(["--kv-cache-memory-bytes", KV_BYTES, "--shutdown-timeout", "5"], str(tmp_path / "s.log"),
                        ready_timeout=240)
     try:
-        r = httpx.post(srv.url + "/v1/completions", json={"model": "SmolLM2-135M-Instruct", "prompt": "Hello",
+        r = httpx.post(srv.url + "/v1/completions", json={"model": "smollm2", "prompt": "Hello",
                                                           "max_tokens": 8}, timeout=120)
         assert r.status_code == 200
         mem = _rss_kib(srv.proc.pid)
