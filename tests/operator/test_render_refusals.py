@@ -99,8 +99,8 @@ def test_a_refused_spec_renders_one_line_naming_the_field(tmp_path, capsys):
 
     from kvfleet_operator import cli
 
-    (tmp_path / "tp.yaml").write_text(yaml.safe_dump(isvc(SPEC_FOR_FLAG["--tensor-parallel-size"])))
-    assert cli.main(["render", str(tmp_path / "tp.yaml")]) == 2
+    (tmp_path / "f16.yaml").write_text(yaml.safe_dump(isvc(SPEC_FOR_FLAG["--dtype"])))
+    assert cli.main(["render", str(tmp_path / "f16.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert err.startswith("error: m: UnsupportedFeature: spec.engine.tensorParallelSize: ") and "not supported yet" in err
+    assert err.startswith("error: m: UnsupportedFeature: spec.engine.dtype: ") and "not supported yet" in err

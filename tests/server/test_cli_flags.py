@@ -115,8 +115,8 @@ VLLM_COMMAND_LINES = [
     ("--model /models/llama --enforce-eager --enable-chunked-prefill --disable-log-stats --generation-config vllm "
      "--served-model-name llama llama-3.1 --block-size 16 --no-enable-prefix-caching", None),
     ("--model /models/llama.Q4_1.gguf --max-num-seqs 512 --max-queue-len 100 --shutdown-timeout 60 -q gguf", None),
-    ("--model /models/llama-70b --tensor-parallel-size 4 --gpu-memory-utilization 0.95", "--tensor-parallel-size"),
-    ("--model /models/llama-70b -tp 2", "--tensor-parallel-size"),
+    ("--model /models/llama-70b --tensor-parallel-size 4 --gpu-memory-utilization 0.95", None),
+    ("--model /models/llama-70b -tp 2", None),
     ("--model /models/llama --pipeline-parallel-size 2", "--pipeline-parallel-size"),
     ("--model /models/llama-70b --quantization fp8 --max-model-len 32768", None),
     ("--model /models/llama --kv-cache-dtype fp8", None),
