@@ -128,10 +128,6 @@ class EngineConfig:
             raise UnsupportedFeatureError(refused[0].message(self.settings()))
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size > 1 and self.speculative_config:
-            raise UnsupportedFeatureError(
-                f"not supported yet: speculative_config with tensor_parallel_size={self.tensor_parallel_size} "
-                f"(speculative decoding runs with tensor_parallel_size 1 only)")
         q = self.quantization
         if q is not None and q not in QUANTIZATION_CHOICES:
             why = (" (an already-quantized checkpoint format; kvfleet loads float checkpoints, quantized at load, "

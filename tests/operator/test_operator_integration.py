@@ -24,7 +24,7 @@ def cond(obj: dict | None, type_: str) -> dict:
 
 
 async def test_a_sample_the_server_would_refuse_is_degraded_and_creates_nothing(api, emulator):
-    obj = sample("llama-3.3-70b-instruct-fp8-tp4.yaml")
+    obj = sample("llama-3.1-8b-instruct-eagle3.yaml")  # speculative decoding: not built yet
     name = obj["metadata"]["name"]
     async with running_operator():
         await api.create(AV, PL, "default", obj)
@@ -35,12 +35,12 @@ async def test_a_sample_the_server_would_refuse_is_degraded_and_creates_nothing(
         live = await wait_for(degraded)
         c = cond(live, "Degraded")
         assert c["reason"] == "UnsupportedFeature"
-        assert c["message"].startswith("spec.engine.tensorParallelSize: ") and "not supported yet" in c["message"]
+        assert c["message"].startswith("spec.engine.speculative: ") and "not supported yet" in c["message"]
         assert await api.get("apps/v1", "deployments", "default", name) is None
 
 
 async def test_sample_creates_children_and_status(api, emulator, features_landed):
-    # the 70B TP4 sample, rendered as it will be once TP and FP8 land (today it is Degraded: below)
+    # the 70B FP8 TP4 sample (tensor parallelism and FP8 have landed)
     obj = sample("llama-3.3-70b-instruct-fp8-tp4.yaml")
     name = obj["metadata"]["name"]
     async with running_operator():

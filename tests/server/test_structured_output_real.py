@@ -20,7 +20,7 @@ SCHEMAS = make_schemas(50)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(["--model", "smollm2", "--max-model-len", "1024", "--max-num-seqs", "16",
+    srv = start_server(["--model", "smollm2", "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "16",
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--shutdown-timeout", "5"],
                        str(tmp_path_factory.mktemp("so_real") / "server.log"))
     yield srv
@@ -42,7 +42,7 @@ def test_50_json_schemas_validate(client, temperature):
     def one(item):
         i, (prompt, schema) = item
         r = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": prompt}], max_tokens=200,
+            model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=200,
             temperature=temperature, seed=i,
             response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}})
         return r.choices[0]
@@ -56,15 +56,15 @@ def test_50_json_schemas_validate(client, temperature):
 def test_regex_choice_and_json_object(client):
     msgs = [{"role": "user", "content": "Give me a product code and say whether you like it."}]
     for t in (0.0, 1.0):
-        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=20,
+        r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=20,
                                            temperature=t, seed=7,
                                            extra_body={"structured_outputs": {"regex": r"[A-Z]{3}-\d{4}"}})
         assert re.fullmatch(r"[A-Z]{3}-\d{4}", r.choices[0].message.content)
-        r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Do you like it? Answer:", max_tokens=10,
+        r = client.completions.create(model="smollm2", prompt="Do you like it? Answer:", max_tokens=10,
                                       temperature=t, seed=7,
                                       extra_body={"structured_outputs": {"choice": ["yes", "no", "not sure"]}})
         assert r.choices[0].text in ("yes", "no", "not sure")
-        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=150,
+        r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=150,
                                            temperature=t, seed=7, response_format={"type": "json_object"})
         assert r.choices[0].finish_reason == "stop"
         assert isinstance(json.loads(r.choices[0].message.content), dict)
@@ -112,7 +112,7 @@ def test_tool_calls_validate_for_10_tool_sets(client, mode):
         target = tools[0]["function"]["name"]
         choice = "required" if mode == "required" else {"type": "function", "function": {"name": target}}
         r = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", max_tokens=200, temperature=0, tools=tools, tool_choice=choice,
+            model="smollm2", max_tokens=200, temperature=0, tools=tools, tool_choice=choice,
             messages=[{"role": "user", "content": ASK.format(target.replace("_", " "))}])
         return r.choices[0]
 
@@ -130,7 +130,7 @@ def test_tool_calls_validate_for_10_tool_sets(client, mode):
 def test_streamed_tool_call_arguments_equal_non_streamed(client, mode):
     for tools in TOOL_SETS[:2]:
         target = tools[0]["function"]["name"]
-        kw = dict(model="SmolLM2-135M-Instruct", max_tokens=200, temperature=0, tools=tools,
+        kw = dict(model="smollm2", max_tokens=200, temperature=0, tools=tools,
                   tool_choice="required" if mode == "required" else {"type": "function", "function": {"name": target}},
                   messages=[{"role": "user", "content": ASK.format(target.replace("_", " "))}])
         full = client.chat.completions.create(**kw).choices[0].message.tool_calls
