@@ -10,46 +10,31 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
+import tempfile
 
 import httpx
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "server"))
+from server_fixtures import start_server  # noqa: E402  (the tests' server start-up: waits for /health, fails fast)
 
 CONFIGS = {"default (packed GGUF, bf16)": [], "--quantization gguf --dtype float32": ["--quantization", "gguf", "--dtype", "float32"],
            "--quantization fp8 --kv-cache-dtype fp8": ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(extra: list[str]) -> dict:
-    port = _port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvfleet_server.cli", "--host", "127.0.0.1", "--port", str(port),
-                             "--kv-cache-memory-bytes", "67108864", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = start_server(["--kv-cache-memory-bytes", "67108864", *extra],
+                       os.path.join(tempfile.gettempdir(), "kvfleet_server_rss.log"), ready_timeout=300)
     try:
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(3000):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        r = httpx.post(url + "/v1/completions", json={"prompt": "Hello, my name is", "max_tokens": 16}, timeout=300)
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hello, my name is", "max_tokens": 16},
+                       timeout=300)
         r.raise_for_status()
-        with open(f"/proc/{proc.pid}/status") as f:
+        with open(f"/proc/{srv.proc.pid}/status") as f:
             st = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
                   if k in ("VmRSS", "VmHWM")}
         return {"rss_bytes": st["VmRSS"], "peak_rss_bytes": st["VmHWM"]}
     finally:
-        proc.terminate()
-        proc.wait(30)
+        srv.stop()
 
 
 def main() -> int:

@@ -23,7 +23,8 @@ _SUFFIX = {"": 1, "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3
            "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 
 
-def _quantity(value: Any) -> Decimal | None:
+def quantity(value: Any) -> Decimal | None:
+    """A Kubernetes quantity (4, "500m", "16Gi", "1e3") as a Decimal; None when it is not one."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         return None
     m = _QUANTITY.match(str(value))
@@ -48,7 +49,7 @@ def contains(live: Any, desired: Any) -> bool:
     if live == desired and type(live) is type(desired):
         return True
     if isinstance(desired, str) and isinstance(live, str):
-        a, b = _quantity(live), _quantity(desired)
+        a, b = quantity(live), quantity(desired)
         return a is not None and a == b
     return False
 

@@ -185,7 +185,7 @@ class Decision:
     recommendation: this evaluation's clamped recommendation before stabilization (None when held
     for missing data). history: pass it to the next call. Observed figures (None when unknown):
     kv_cache_usage (mean over readable pods), waiting_per_replica, ready, readable, starting
-    (starting replicas counted as capacity on the way) and starting_pods (their names).
+    (starting replicas counted as capacity on the way; their names are in reason).
     """
 
     desired_replicas: int
@@ -200,7 +200,6 @@ class Decision:
     ready: int = 0
     readable: int = 0
     starting: int = 0
-    starting_pods: tuple[str, ...] = ()
     direction: str = field(default="none")  # "up", "down" or "none"
     # CamelCase reason for status/Events: KVCacheUsageHigh, QueueLengthHigh, LoadLow, WithinTarget,
     # ReplicasStarting, ScaleUpStabilizing, ScaleDownStabilizing, ScalingLimited (at maxReplicas,
@@ -325,8 +324,7 @@ def decide(policy: AutoscalingPolicy, current_replicas: int, pods: Sequence[PodO
     kv_mean = _mean(kv_values) if kv_values else None
     wait_mean = _mean(wait_values) if wait_values else None
     observed = dict(kv_cache_usage=kv_mean, waiting_per_replica=wait_mean, ready=n_ready,
-                    readable=n_readable, starting=len(starting),
-                    starting_pods=tuple(p.name for p in starting))
+                    readable=n_readable, starting=len(starting))
 
     def finish(desired: int, reason: str, holds: tuple[str, ...], rec: int | None,
                recs: tuple[Recommendation, ...], code: str) -> Decision:

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pydantic
-from kubernetes.utils import parse_quantity
 from kvfleet_server.cli import FlagError, parse_flags, threads_for_cpus
 from kvfleet_server.errors import UnsupportedFeatureError
 
 from . import api
+from .apply import quantity
 
 MANAGED_BY = "kvfleet-operator"
 SERVER_CONTAINER = "kvfleet-server"
@@ -236,7 +236,7 @@ def cpu_threads(spec: api.InferenceServiceSpec) -> int | None:
     reads its cgroup limit and affinity)."""
     if spec.gpus > 0 or spec.resources.cpu is None:
         return None
-    cpus = parse_quantity(spec.resources.cpu)
+    cpus = quantity(spec.resources.cpu)  # validated by the spec: never None here
     return threads_for_cpus(max(1, math.ceil(cpus)))
 
 

@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpu-memory-utilization", type=float, default=_engine_default("gpu_memory_utilization"),
                    help="fraction of accelerator memory the engine may use (weights + KV cache)")
     e.add_argument("--kv-cache-memory-bytes", type=int, default=None,
-                   help="KV-cache size in bytes (overrides --gpu-memory-utilization for the KV pool; "
-                        "default: 1 GiB on CPU, derived from --gpu-memory-utilization on CUDA)")
+                   help="KV-cache size in bytes per tensor-parallel rank (overrides --gpu-memory-utilization for "
+                        "the KV pool; default: 1 GiB on CPU, derived from --gpu-memory-utilization on CUDA)")
     e.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="context length: prompt + generated tokens (default: the model's, capped at 8192 and "
                         "at what the KV pool holds)")
@@ -191,14 +191,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache dtype: auto (= the model dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer K/V "
                         "scales)")
     e.add_argument("--num-threads", type=_positive_int, default=None,
-                   help="intra-op threads of the engine on CPU (default: usable CPUs - 1, respecting the "
-                        "affinity set and a cgroup CPU limit; OMP_NUM_THREADS also sets it)")
+                   help="intra-op threads of each engine rank on CPU (default: (usable CPUs - 1) // "
+                        "--tensor-parallel-size, at least 1, respecting the affinity set and a cgroup CPU limit; "
+                        "OMP_NUM_THREADS also sets it)")
     e.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
-                   help="number of tensor-parallel ranks (only 1)")
+                   help="tensor-parallel ranks: one model over N processes / GPUs (rank 0 is this process; "
+                        "the model's head counts must split, see docs/tensor_parallel.md)")
     e.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
                    help="number of pipeline stages (only 1)")
     e.add_argument("--speculative-config", type=_json_arg, default=None,
-                   help='speculative decoding, JSON (e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\')')
+                   help='speculative decoding, JSON (e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
+                        'refused: not supported yet)')
     e.add_argument("--enable-lora", action="store_true", help="LoRA adapters (refused: not supported yet)")
     e.add_argument("--structured-outputs-config", type=_json_arg, default=None,
                    help='structured output, JSON: vLLM\'s {"backend": "auto"|"xgrammar", "disable_any_whitespace": '
@@ -230,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="vLLM: do not log each request. kvfleet logs no request contents (only uvicorn's "
                         "access log lines, see --disable-uvicorn-access-log)")
     s.add_argument("--disable-log-stats", action="store_true",
-                   help="vLLM: no periodic stats log lines. kvfleet writes none (statistics are on /metrics, "
-                        "which this does not change, as in vLLM)")
+                   help="vLLM: no periodic stats log line (the kvfleet.stats line every 10 s while busy); "
+                        "/metrics is unchanged, as in vLLM")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="kvfleet's log level")
     s.add_argument("--uvicorn-log-level", default="warning",
@@ -331,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         root=args.model, max_logprobs=args.max_logprobs, chat_template=chat_template,
         cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
               "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials},
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        log_stats=not args.disable_log_stats)
 
     def factory():
         t0 = time.monotonic()

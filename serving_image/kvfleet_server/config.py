@@ -62,7 +62,8 @@ class EngineConfig:
     Attributes:
         model: HF model directory, a .gguf file, or None / "smollm2" for the bundled SmolLM2-135M-Instruct.
         tokenizer: tokenizer directory or file when it differs from ``model``.
-        dtype: "auto" (float32 on CPU, bfloat16 on CUDA) | "float32" | "bfloat16" | "float16".
+        dtype: "auto" (float32 on CPU, bfloat16 on CUDA and for the BF16_CPU_METHODS weights on CPU) |
+            "float32" | "bfloat16" | "float16".
         device: "auto" (CUDA when available) | "cpu" | "cuda".
         block_size: tokens per KV block.
         gpu_memory_utilization: fraction of GPU memory for weights + activations + KV cache (CUDA).
@@ -146,13 +147,11 @@ class EngineConfig:
         if unknown:
             raise ValueError(f"structured_outputs_config: unknown key(s) {unknown}; "
                              f"known: {sorted(STRUCTURED_OUTPUTS_DEFAULTS)}")
-        if so.get("backend", "auto") not in ("auto", "xgrammar"):
-            raise UnsupportedFeatureError(
-                f"not supported yet: structured_outputs_config.backend={so['backend']!r} (only xgrammar)")
-        mw = so.get("max_whitespace", 0)
+        so = self.resolved_structured_outputs()  # the backend is checked by unsupported.ENGINE_REFUSALS
+        mw = so["max_whitespace"]
         if mw is not None and (not isinstance(mw, int) or isinstance(mw, bool) or mw < 0):
             raise ValueError(f"structured_outputs_config.max_whitespace must be a non-negative integer or null, got {mw!r}")
-        ct = so.get("compile_timeout", 1.0)
+        ct = so["compile_timeout"]
         if isinstance(ct, bool) or not isinstance(ct, (int, float)) or not ct > 0:
             raise ValueError(f"structured_outputs_config.compile_timeout must be a positive number of seconds, got {ct!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -10,6 +10,7 @@ where an ``LLM`` is passed in.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from .sampling_params import SamplingParams
@@ -63,12 +64,7 @@ def loglik_change(scores: list[list[float]], ref: list[list[float]]) -> LogLikel
 
 def agreement_length(a: list[int], b: list[int]) -> int:
     """Tokens until the first divergence of two greedy continuations."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([a, b]))
 
 
 def greedy_agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:

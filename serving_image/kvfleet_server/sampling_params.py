@@ -79,7 +79,8 @@ class SamplingParams:
         stop: strings that end generation; matched across token boundaries and excluded from text.
         stop_token_ids: token ids that end generation (the token is not included in the text).
         include_stop_str_in_output: keep the matched stop string in the text.
-        logprobs: number of top log-probabilities (0..20) to return per generated token; None = off.
+        logprobs: number of top log-probabilities (0..max_logprobs, 20 by default) to return per generated
+            token; None = off.
         prompt_logprobs: number of top log-probabilities per prompt token; None = off.
         skip_special_tokens: leave special tokens out of the detokenized text.
         structured_outputs: a grammar the output must follow (JSON schema, regex, choice, EBNF, any JSON

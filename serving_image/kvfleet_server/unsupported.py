@@ -111,6 +111,11 @@ ENGINE_REFUSALS: tuple[EngineRefusal, ...] = (
                   "'vllm' (request defaults are vLLM's, the file is not read)", _not("generation_config", "vllm"),
                   ("--generation-config", "auto")),
     EngineRefusal("--enable-lora", "enable_lora", "LoRA adapters", _set("enable_lora"), ("--enable-lora",)),
+    EngineRefusal("--structured-outputs-config", "structured_outputs_config",
+                  "structured-output backends other than xgrammar",
+                  lambda s: isinstance(s.get("structured_outputs_config"), dict)
+                  and s["structured_outputs_config"].get("backend", "auto") not in ("auto", "xgrammar"),
+                  ("--structured-outputs-config", '{"backend": "outlines"}')),
 )
 
 REQUEST_REFUSALS: tuple[RequestRefusal, ...] = (
@@ -121,6 +126,7 @@ REQUEST_REFUSALS: tuple[RequestRefusal, ...] = (
     RequestRefusal("truncate_prompt_tokens", BOTH, "prompt truncation"),
     RequestRefusal("use_beam_search", BOTH, "beam search"),
     RequestRefusal("return_tokens_as_token_ids", BOTH, "token-id strings in logprobs"),
+    RequestRefusal("suffix", (COMPLETIONS,), "insertion (text after the completion)"),
     RequestRefusal("echo", (CHAT,), "echoing the prompt in chat (completions accept echo)"),
     RequestRefusal("prompt_logprobs", (CHAT,), "prompt logprobs in chat (completions accept prompt_logprobs)"),
     RequestRefusal("continue_final_message", (CHAT,), "continuing the last assistant message"),

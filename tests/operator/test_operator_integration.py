@@ -39,7 +39,7 @@ async def test_a_sample_the_server_would_refuse_is_degraded_and_creates_nothing(
         assert await api.get("apps/v1", "deployments", "default", name) is None
 
 
-async def test_sample_creates_children_and_status(api, emulator, features_landed):
+async def test_sample_creates_children_and_status(api, emulator):
     # the 70B FP8 TP4 sample (tensor parallelism and FP8 have landed)
     obj = sample("llama-3.3-70b-instruct-fp8-tp4.yaml")
     name = obj["metadata"]["name"]

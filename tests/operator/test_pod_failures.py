@@ -17,8 +17,8 @@ from kvfleet_operator import pods, render
 SAMPLES = Path(__file__).resolve().parents[2] / "crds" / "samples"
 AV, PL = isvc_api.API_VERSION, isvc_api.PLURAL
 IMAGE = "ghcr.io/kvfleet/kvfleet-server:0.1.0"
-NOT_SUPPORTED = ("INFO kvfleet.server: start-up\nerror: not supported yet: --kv-cache-dtype fp8 "
-                 "(the KV cache uses the model dtype)\n")
+NOT_SUPPORTED = ("INFO kvfleet.server: start-up\nerror: not supported yet: --speculative-config "
+                 "{\"method\": \"ngram\", \"num_speculative_tokens\": 4} (speculative decoding)\n")
 
 
 def _status(name: str, state: dict, last: dict | None = None, restarts: int = 0, ready: bool = False) -> dict:
@@ -60,7 +60,7 @@ GPU = ("Unschedulable", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.
 
 CASES = {
     "CrashLoopBackOff": (dict(containers=CRASH), "CrashLoopBackOff",
-                         "last exit code 2): error: not supported yet: --kv-cache-dtype fp8"),
+                         "last exit code 2): error: not supported yet: --speculative-config"),
     "OOMKilled": (dict(containers=OOM), "OOMKilled", "was OOMKilled (2 restarts)"),
     "ImagePullBackOff": (dict(containers=PULL), "ImagePullBackOff", "Back-off pulling image"),
     "ErrImagePull": (dict(containers=ERR_PULL), "ErrImagePull", "code = NotFound"),

@@ -13,10 +13,7 @@ from kvfleet_server import unsupported
 HF = {"model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct"}}
 # the spec that makes render emit each refused flag, by flag (flags no spec field renders go in extraArgs)
 SPEC_FOR_FLAG = {
-    "--tensor-parallel-size": {**HF, "engine": {"tensorParallelSize": 2}},
     "--speculative-config": {**HF, "engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 4}}},
-    "--quantization": {**HF, "engine": {"quantization": "fp8"}},
-    "--kv-cache-dtype": {**HF, "engine": {"kvCacheDtype": "fp8"}},
     "--dtype": {**HF, "engine": {"dtype": "float16"}, "resources": {"gpus": 0}},
 }
 

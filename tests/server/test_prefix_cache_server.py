@@ -251,3 +251,16 @@ def test_prompt_token_counters_have_vllms_meaning_with_prefix_cache_hits(server)
     after = _idle_metrics(server.url)
     deltas = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in VLLM_SCRAPE_DELTAS}
     assert deltas == VLLM_SCRAPE_DELTAS
+
+
+@pytest.mark.parametrize("log_stats", [True, False])
+def test_disable_log_stats_silences_the_periodic_line(log_stats):
+    # vLLM's --disable-log-stats: kvfleet-server passes it as ServerSettings.log_stats
+    from kvfleet_server.cli import parse_flags
+
+    assert parse_flags(["--disable-log-stats"]).disable_log_stats and not parse_flags([]).disable_log_stats
+    m = ServerState(ServerSettings(served_model_names=["m"], log_stats=log_stats)).metrics
+    busy = SchedulerStats(num_running=1)
+    m.maybe_log(busy, now=100.0)
+    m.on_iteration(IterationStats(num_generation_tokens=5))
+    assert (m.maybe_log(busy, now=200.0) is not None) == log_stats

@@ -5,13 +5,12 @@ openai snippet, run as written, gets an answer from it under the name it uses ("
 The only edit is the port: 8000 is replaced by a free one, because other test processes share this machine."""
 
 import re
-import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from server_fixtures import free_port
+from server_fixtures import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +21,7 @@ def _blocks(lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", section, re.S)
 
 
-def test_readme_server_command_and_openai_snippet_work_as_written():
+def test_readme_server_command_and_openai_snippet_work_as_written(tmp_path):
     from kvfleet_server.demo import wait_until_ready
 
     command = _blocks("bash")[0].split("#", 1)[0].strip()
@@ -30,19 +29,17 @@ def test_readme_server_command_and_openai_snippet_work_as_written():
     assert command == ".venv/bin/kvfleet-server --model smollm2 --port 8000"
     assert 'model="smollm2"' in snippet and "127.0.0.1:8000" in snippet
     port = free_port()
-    server = subprocess.Popen(["bash", "-c", f"exec {command.replace('8000', str(port))}"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:  # a file, not a pipe: a chatty server can never block on it
+        proc = subprocess.Popen(["bash", "-c", f"exec {command.replace('8000', str(port))}"],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    server = ServerProcess(proc, port, str(log_path))
     try:
-        wait_until_ready(server, f"http://127.0.0.1:{port}", timeout_s=300)
+        wait_until_ready(proc, server.url, timeout_s=300)
         out = subprocess.run([str(ROOT / ".venv/bin/python"), "-c", snippet.replace("8000", str(port))],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip(), "the snippet printed no answer"
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            rc = server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            rc = server.wait()
-    assert rc == 0, server.stdout.read()
+        rc = server.stop(60)
+    assert rc == 0, server.log()

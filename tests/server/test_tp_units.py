@@ -83,9 +83,3 @@ def test_packed_gguf_rows_and_block_aligned_columns_slice_without_dequantizing()
     assert padded.shape == (8, 128) and torch.equal(padded.dequantize()[6:], torch.zeros(2, 128))
     q, s, m = unpack_blocks(cols)
     assert q.shape == (6, 32)
-
-
-def test_tensor_parallel_with_speculative_decoding_is_refused_by_name():
-    # speculative decoding is refused at any size until it lands (one list: unsupported.ENGINE_REFUSALS)
-    with pytest.raises(UnsupportedFeatureError, match="not supported yet: --speculative-config"):
-        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 3})

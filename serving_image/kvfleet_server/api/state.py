@@ -33,6 +33,7 @@ class ServerSettings:
         chat_template: Jinja chat template replacing the tokenizer's (--chat-template), or None.
         cors: keyword arguments of starlette's CORSMiddleware (--allowed-origins etc.), or None for no CORS.
         enable_auto_tool_choice / tool_call_parser: vLLM's flags for ``tool_choice: "auto"`` (api/tools.py).
+        log_stats: write the periodic stats log line (False: vLLM's --disable-log-stats).
     """
 
     served_model_names: list[str]
@@ -48,6 +49,7 @@ class ServerSettings:
     cors: dict | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    log_stats: bool = True
 
 
 class ServerState:
@@ -62,7 +64,8 @@ class ServerState:
     def __init__(self, settings: ServerSettings, engine=None, engine_factory: Callable | None = None):
         self.settings = settings
         self.model_name = settings.served_model_names[0]
-        self.metrics = ServerMetrics(self.model_name, settings.max_model_len, settings.max_num_batched_tokens)
+        self.metrics = ServerMetrics(self.model_name, settings.max_model_len, settings.max_num_batched_tokens,
+                                     **({} if settings.log_stats else {"log_stats_interval_s": None}))
         self.drain = Drain()
         self.llm = None
         self.engine: AsyncEngine | None = None

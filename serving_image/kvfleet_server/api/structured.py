@@ -111,8 +111,6 @@ def structured_from_request(req) -> tuple[StructuredOutputsParams | None, str | 
     if len(sources) > 1:
         raise InvalidRequestError(f"conflicting structured-output fields: {sources[0]} and {sources[1]}; set one",
                                   param=sources[1])
-    if rf is not None and not sources:
-        _from_response_format(rf)  # validates {"type": "text"} / a bad type
     if not sources:
         return None, None
     src = sources[0]

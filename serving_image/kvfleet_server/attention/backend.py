@@ -66,12 +66,16 @@ class AttentionMetadata:
         num_decodes: D, the first D tokens are single-token decodes, split into ``decode_groups``
             (sorted by context length so that padding to the group's longest context stays small).
         prefills: the prefill chunks after the decodes.
+        kv_calibrate: an FP8 KV cache still has uncalibrated layers (scale 0): the backend sets their
+            scales from this step's K/V. False after the first step, so steady-state steps never read a
+            scale back to the host.
     """
 
     slot_mapping: torch.Tensor
     num_decodes: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    kv_calibrate: bool = False
 
 
 class AttentionBackend(ABC):

@@ -27,7 +27,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, block_size, kvh, hd = k_cache.shape
         if kv_scales is not None:
             fp8 = k_cache.dtype
-            if not bool(kv_scales[0] > 0):
+            if meta.kv_calibrate and not bool(kv_scales[0] > 0):
                 kv_quant.calibrate(kv_scales, k, v, fp8)
             k8, v8 = kv_quant.quantize(k, kv_scales[0], fp8), kv_quant.quantize(v, kv_scales[1], fp8)
             # CPU index kernels do not take float8: move the bytes as uint8

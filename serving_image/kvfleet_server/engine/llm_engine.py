@@ -373,10 +373,8 @@ class LLMEngine:
             self._new_sequence(req, k, list(seq.token_ids))
         for s in req.seqs:
             if not s.is_finished:
-                if s is seq:
-                    self.scheduler.remove(s)
-                s.status = SeqStatus.FINISHED
-                s.finish_reason = "length"
+                self._finish(s, "length")
+
     def _grammar_bitmask(self, seqs: list[Sequence]):
         """(bitmask, rows) of the sequences under a grammar, or None when there is none."""
         idx = [i for i, s in enumerate(seqs) if s.grammar is not None]

@@ -219,7 +219,7 @@ class ModelRunner:
         positions = torch.cat([torch.tensor(inputs.dec_positions, dtype=torch.long, device=dev)] + pre_pos)
         slot_mapping = torch.cat([torch.tensor(inputs.dec_slots, dtype=torch.long, device=dev)] + pre_slots)
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=n_dec, decode_groups=groups,
-                                 prefills=prefills)
+                                 prefills=prefills, kv_calibrate=self._kv_calibration_pending)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         if self._kv_calibration_pending:
             self._log_kv_calibration()

@@ -225,6 +225,11 @@ class SequenceGrammar:
             self.num_accepted -= num_tokens
 
     @property
+    def is_completed(self) -> bool:
+        """The output so far is a complete match (EOS would be accepted here)."""
+        return self.matcher.is_completed()
+
+    @property
     def is_terminated(self) -> bool:
         """The grammar accepted a stop token: nothing more may follow."""
         return self.matcher.is_terminated()

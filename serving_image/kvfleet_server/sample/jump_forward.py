@@ -57,7 +57,7 @@ def plan_jump_forward(grammar: SequenceGrammar, tokenizer, output_ids: list[int]
         if not grammar.accept(t):
             break
         accepted += 1
-    if accepted and not grammar.matcher.is_completed():
+    if accepted and not grammar.is_completed:
         grammar.rollback(1)  # hold back the last planned token
         accepted -= 1
     if accepted < 2:

@@ -110,13 +110,14 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
            for r in rows):
         apply_penalties(logits, rows)
+    grammar_rows = set(grammar_bitmask[1]) if grammar_bitmask is not None else set()
     for i, r in enumerate(rows):
         if r.stop_ids_for_min_tokens and len(r.output_ids) < r.params.min_tokens:
             stop = torch.tensor(r.stop_ids_for_min_tokens, device=logits.device)
-            kept = logits[i, stop].clone()
+            kept = logits[i, stop].clone() if i in grammar_rows else None
             logits[i, stop] = float("-inf")
-            if not torch.isfinite(logits[i]).any():  # the grammar allows only a stop token: it wins
-                logits[i, stop] = kept
+            if kept is not None and not torch.isfinite(logits[i]).any():  # the grammar allows only a stop
+                logits[i, stop] = kept                                      # token: it wins
 
     tokens = logits.argmax(dim=-1)
     rand_idx = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -32,6 +32,14 @@ def set_weight_attrs(param: torch.Tensor, **attrs) -> None:
         setattr(param, k, v)
 
 
+def per_channel_scales(w: torch.Tensor, absmax: torch.Tensor | None, qmax: float) -> torch.Tensor:
+    """Symmetric per-output-channel scales [N] float32 of w [N, K] for a format whose largest value is
+    ``qmax``: row absmax / qmax (``absmax`` [N] overrides w's own: a row-parallel shard passes its whole
+    rows', ``Linear.row_absmax``, so every rank keeps the unsharded scales)."""
+    a = w.float().abs().amax(dim=1) if absmax is None else absmax.float()
+    return a.clamp(min=1e-12) / qmax
+
+
 class QuantMethod(ABC):
     """How one Linear stores and multiplies its weight.
 
@@ -41,8 +49,9 @@ class QuantMethod(ABC):
     """
 
     name = "abstract"
-    #: activation dtype the method's CPU kernel is vectorized for (None: any)
-    preferred_cpu_dtype: torch.dtype | None = None
+    #: process_weights_after_loading reads ``layer.row_absmax`` (per-output-channel scales over whole rows);
+    #: only then does a row-parallel shard read its full checkpoint rows to compute them
+    uses_row_absmax: bool = False
 
     def create_weights(self, layer: "Linear", input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype) -> None:
@@ -62,15 +71,6 @@ class QuantMethod(ABC):
     def embedding(self, layer: "Linear", ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` [T] int64 of the weight as [T, input_size] (vocabulary embeddings)."""
         return F.embedding(ids, layer.weight)
-
-    def weight_bytes(self, layer: "Linear") -> int:
-        """Bytes of the stored weight (and its scales / zero points); bias excluded."""
-        return sum(t.numel() * t.element_size() for n, t in _named_tensors(layer) if n != "bias")
-
-
-def _named_tensors(layer: nn.Module):
-    yield from layer.named_parameters(recurse=False)
-    yield from layer.named_buffers(recurse=False)
 
 
 class UnquantizedLinearMethod(QuantMethod):
@@ -139,9 +139,10 @@ class Linear(nn.Module):
             start, rows = self.column_slices[shard_id or 0]
             loaded = narrow_padded(loaded, output_dim, start, rows)
         if self.row_slice is not None and input_dim is not None:
-            if hasattr(loaded, "materialize"):  # a lazily read checkpoint tensor: read this one whole
+            needs_absmax = self.quant_method.uses_row_absmax and loaded.dim() == 2
+            if needs_absmax and hasattr(loaded, "materialize"):  # a lazily read tensor: read this one whole
                 loaded = loaded.materialize()
-            if isinstance(loaded, torch.Tensor) and loaded.dim() == 2:
+            if needs_absmax and isinstance(loaded, torch.Tensor):
                 # per-output-channel scales of a quantize-at-load method span the whole row, not the
                 # rank's columns: the same scales (and quantized values) as without tensor parallelism
                 self.row_absmax = loaded.float().abs().amax(dim=input_dim).to(self.row_absmax_device)
@@ -167,9 +168,6 @@ class Linear(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.quant_method.process_weights_after_loading(self)
         self.row_absmax = None
-
-    def weight_bytes(self) -> int:
-        return self.quant_method.weight_bytes(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, input_size (this rank's)] → [T, output_size (this rank's; the full output for a

@@ -17,6 +17,7 @@ import torch
 from ....config import QUANTIZATION_CHOICES as QUANTIZATION_METHODS
 from ....errors import UnsupportedFeatureError
 from ..linear import QuantMethod, UnquantizedLinearMethod
+from .fp8 import cuda_supports_scaled_mm
 #: methods that quantize float weights at load ("online"); gguf needs a .gguf file
 ONLINE_METHODS = ("fp8", "int8", "int4")
 
@@ -77,7 +78,7 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
 def quantization_note(method: str | None, device: str) -> str:
     """What the method's kernels do on ``device`` (for the start-up log line)."""
     if method == "fp8":
-        if device == "cuda" and torch.cuda.get_device_capability() >= (8, 9):
+        if cuda_supports_scaled_mm(torch.device(device)):
             return "; fp8 W8A8 through torch._scaled_mm (dynamic per-token activation scales)"
         return ("; fp8 weight-only (FP8 storage, upcast per matmul): torch._scaled_mm needs CUDA compute "
                 "capability >= 8.9")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..linear import Linear, QuantMethod, set_weight_attrs
+from ..linear import Linear, QuantMethod, per_channel_scales
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -29,9 +29,8 @@ def quantize_per_channel_fp8(w: torch.Tensor,
 
     ``absmax`` [N]: the rows' absolute maxima to scale by (default: w's own; a row-parallel shard
     passes those of its whole rows, ``Linear.row_absmax``, so every rank keeps the unsharded scales)."""
-    w = w.float()
-    s = (w.abs().amax(dim=1) if absmax is None else absmax.float()).clamp(min=1e-12) / FP8_MAX
-    return (w / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
+    s = per_channel_scales(w, absmax, FP8_MAX)
+    return (w.float() / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
 
 
 def cuda_supports_scaled_mm(device: torch.device) -> bool:
@@ -41,6 +40,7 @@ def cuda_supports_scaled_mm(device: torch.device) -> bool:
 
 class Fp8LinearMethod(QuantMethod):
     name = "fp8"
+    uses_row_absmax = True
 
     def __init__(self, act_dtype: torch.dtype):
         self.act_dtype = act_dtype
@@ -49,7 +49,6 @@ class Fp8LinearMethod(QuantMethod):
         w8, s = quantize_per_channel_fp8(layer.weight.data, layer.row_absmax)
         del layer.weight
         layer.register_buffer("qweight", w8, persistent=False)
-        set_weight_attrs(s, output_dim=0)
         layer.register_buffer("weight_scale", s, persistent=False)
         N, K = w8.shape
         layer.fp8_scaled_mm = cuda_supports_scaled_mm(w8.device) and K % 16 == 0 and N % 16 == 0

@@ -102,7 +102,6 @@ class GGUFLinearMethod(QuantMethod):
     """Packed GGUF weights for a Linear (or the vocabulary embedding with ``for_embedding``)."""
 
     name = "gguf"
-    preferred_cpu_dtype = torch.bfloat16
 
     def __init__(self, act_dtype: torch.dtype, for_embedding: bool = False):
         self.act_dtype = act_dtype

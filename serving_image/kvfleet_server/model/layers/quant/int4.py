@@ -31,7 +31,6 @@ def quantize_groupwise_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 class Int4LinearMethod(QuantMethod):
     name = "int4"
-    preferred_cpu_dtype = torch.bfloat16
 
     def __init__(self, act_dtype: torch.dtype):
         self.act_dtype = act_dtype
