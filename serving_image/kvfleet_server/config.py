@@ -100,6 +100,10 @@ class EngineConfig:
         refused = engine_refusals(self.settings())
         if refused:
             raise UnsupportedFeatureError(refused[0].message(self.settings()))
+        if self.speculative_config:
+            from .spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

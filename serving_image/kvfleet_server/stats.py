@@ -7,7 +7,7 @@ The engine owns the numbers, the server owns Prometheus: ``LLMEngine.get_stats()
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -41,6 +41,9 @@ class IterationStats:
         num_preemptions: sequences preempted in this step.
         prefix_cache_queries: prompt tokens looked up in the prefix cache at admission.
         prefix_cache_hits: of those, tokens whose KV was reused.
+        num_drafts: sequences that verified draft tokens (speculative decoding).
+        num_draft_tokens: draft tokens verified; num_accepted_tokens: of those, accepted.
+        num_accepted_tokens_per_pos: [k] accepted drafts at each draft position 0..k-1.
     """
 
     num_prompt_tokens: int = 0
@@ -48,6 +51,10 @@ class IterationStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

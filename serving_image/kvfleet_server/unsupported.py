@@ -21,6 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
+#: speculative decoding methods kvfleet-server builds (spec_decode/), and vLLM's methods it refuses by name
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
+UNBUILT_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mtp", "mlp_speculator", "suffix", "deepseek_mtp")
+
+
 @dataclass(frozen=True)
 class EngineRefusal:
     """One server setting (or combination) kvfleet refuses at start-up.
@@ -96,8 +101,11 @@ ENGINE_REFUSALS: tuple[EngineRefusal, ...] = (
                   _not("tensor_parallel_size", 1), ("--tensor-parallel-size", "2")),
     EngineRefusal("--pipeline-parallel-size", "pipeline_parallel_size", "pipeline parallelism",
                   _not("pipeline_parallel_size", 1), ("--pipeline-parallel-size", "2")),
-    EngineRefusal("--speculative-config", "speculative_config", "speculative decoding",
-                  _set("speculative_config"), ("--speculative-config", '{"method":"ngram","num_speculative_tokens":4}')),
+    EngineRefusal("--speculative-config", "speculative_config",
+                  f"speculative methods that need trained draft heads; built: {', '.join(SPECULATIVE_METHODS)}",
+                  lambda s: isinstance(s.get("speculative_config"), dict)
+                  and s["speculative_config"].get("method") in UNBUILT_SPECULATIVE_METHODS,
+                  ("--speculative-config", '{"method":"eagle3","num_speculative_tokens":4}')),
     EngineRefusal("--quantization", "quantization", "weight quantization; GGUF files are dequantized at load",
                   _not("quantization", "gguf"), ("--quantization", "fp8")),
     EngineRefusal("--kv-cache-dtype", "kv_cache_dtype", "the KV cache uses the model dtype",

@@ -43,7 +43,7 @@ def test_flags_reach_engine_config():
 
 @pytest.mark.parametrize("args", [
     ["--tensor-parallel-size", "2"],
-    ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+    ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'],
     ["--quantization", "awq"],
     ["--kv-cache-dtype", "fp8"],
 ])

@@ -88,7 +88,8 @@ def test_max_tokens_none_fills_to_max_model_len(eng):
 
 @pytest.mark.parametrize("kwargs, text", [
     (dict(tensor_parallel_size=2), "not supported yet: --tensor-parallel-size 2"),
-    (dict(speculative_config={"method": "ngram"}), "not supported yet: --speculative-config"),
+    (dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 3}),
+     "not supported yet: --speculative-config .*eagle3"),
     (dict(quantization="awq"), "not supported yet: --quantization awq"),
     (dict(kv_cache_dtype="fp8"), "not supported yet: --kv-cache-dtype fp8"),
     (dict(dtype="float16", device="cpu"), "not supported yet: --dtype float16"),

@@ -44,6 +44,15 @@ class StepBatch:
     chunk_rows: list[tuple[int, int]]
 
 
+@dataclass
+class TokenSpan:
+    """Tokens of one sequence to compute in a step: ``token_ids`` at positions [start, start + len)."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int, device: str,
                  dtype: torch.dtype, backend: AttentionBackend):
@@ -87,22 +96,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq], block_tables: dict[str, list[int]]) -> StepBatch:
-        """Run the model on one step's tokens (K/V written to the cache as a side effect)."""
+        """Run the model on one step's tokens (K/V written to the cache as a side effect); a sequence's
+        tokens are its uncomputed ones followed by its draft tokens (speculative decoding)."""
+        return self.run([TokenSpan(s.input_ids(), s.seq.num_computed_tokens, block_tables[s.seq.seq_id])
+                         for s in scheduled])
+
+    @torch.inference_mode()
+    def run(self, spans: list["TokenSpan"], num_layers: int | None = None) -> StepBatch:
+        """Run the model over token spans (one per sequence; a 1-token span is a decode, longer spans
+        attend causally to their cached prefix). ``num_layers`` runs only the first L layers (+ final
+        norm), reading and writing only those layers' KV — the layer_skip drafter's pass."""
         bs, dev = self.block_size, self.device
-        dec = sorted((i for i, s in enumerate(scheduled) if s.num_new == 1),
-                     key=lambda i: scheduled[i].seq.num_computed_tokens)
-        pre = [i for i, s in enumerate(scheduled) if s.num_new > 1]
+        dec = sorted((i for i, s in enumerate(spans) if len(s.token_ids) == 1), key=lambda i: spans[i].start)
+        pre = [i for i, s in enumerate(spans) if len(s.token_ids) > 1]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        last_row = [0] * len(scheduled)
-        chunk_rows = [(0, 0)] * len(scheduled)
+        last_row = [0] * len(spans)
+        chunk_rows = [(0, 0)] * len(spans)
         ctx_lens = []
         for row, i in enumerate(dec):
-            s = scheduled[i].seq
-            p = s.num_computed_tokens
-            bt = block_tables[s.seq_id]
-            ids.append(s.token_ids[p])
+            sp = spans[i]
+            p = sp.start
+            bt = sp.block_table
+            ids.append(sp.token_ids[0])
             pos.append(p)
             slots.append(bt[p // bs] * bs + p % bs)
             ctx_lens.append(p + 1)
@@ -113,7 +130,7 @@ class ModelRunner:
             mb = -(-ctx_lens[start + count - 1] // bs)
             tables = []
             for i in dec[start : start + count]:
-                bt = block_tables[scheduled[i].seq.seq_id][:mb]
+                bt = list(spans[i].block_table[:mb])
                 tables.append(bt + [bt[0]] * (mb - len(bt)))
             ctx = torch.tensor(ctx_lens[start : start + count], device=dev)
             mask = (torch.arange(mb * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
@@ -122,12 +139,13 @@ class ModelRunner:
         prefills = []
         pre_pos = []
         pre_slots = []
+        pre_ids: list[int] = []
         for i in pre:
-            s, n = scheduled[i].seq, scheduled[i].num_new
-            p0 = s.num_computed_tokens
-            q_start = len(ids) + sum(len(x) for x in pre_pos)
+            sp = spans[i]
+            n, p0 = len(sp.token_ids), sp.start
+            q_start = len(ids) + len(pre_ids)
             ctx = p0 + n
-            bt = torch.tensor(block_tables[s.seq_id][: -(-ctx // bs)], device=dev)
+            bt = torch.tensor(sp.block_table[: -(-ctx // bs)], device=dev)
             ppos = torch.arange(p0, ctx, device=dev)
             pre_pos.append(ppos)
             pre_slots.append(bt[ppos // bs] * bs + ppos % bs)
@@ -137,15 +155,17 @@ class ModelRunner:
             prefills.append(PrefillSpan(q_start, n, ctx, bt, mask))
             last_row[i] = q_start + n - 1
             chunk_rows[i] = (q_start, n)
-        pre_ids = [t for i in pre for t in scheduled[i].seq.token_ids[
-            scheduled[i].seq.num_computed_tokens : scheduled[i].seq.num_computed_tokens + scheduled[i].num_new]]
+            pre_ids.extend(sp.token_ids)
 
         input_ids = torch.tensor(ids + pre_ids, dtype=torch.long, device=dev)
         positions = torch.cat([torch.tensor(pos, dtype=torch.long, device=dev)] + pre_pos)
         slot_mapping = torch.cat([torch.tensor(slots, dtype=torch.long, device=dev)] + pre_slots)
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(dec), decode_groups=groups,
                                  prefills=prefills)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if num_layers is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend, num_layers=num_layers)
         return StepBatch(hidden, last_row, chunk_rows)
 
     @torch.inference_mode()

@@ -101,13 +101,19 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64. kv_caches[i] = (K, V) of layer i, each
-        [num_blocks, block_size, num_kv_heads, head_dim]. Returns hidden states [T, hidden]."""
+        [num_blocks, block_size, num_kv_heads, head_dim]. Returns hidden states [T, hidden].
+
+        ``num_layers`` = L runs only the first L decoder layers, then the final norm (early exit, as
+        LayerSkip / Draft&Verify self-speculation drafts: Elhoushi et al. 2024, Zhang et al. 2023);
+        only layers < L read and write their KV cache. None runs every layer."""
         h = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
-        for layer, kv in zip(self.layers, kv_caches):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, kv in zip(layers, kv_caches):
             h = layer(h, cos, sin, kv, meta, backend)
         return self.norm(h)
 
