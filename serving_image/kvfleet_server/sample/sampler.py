@@ -58,7 +58,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 
 
 def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on rows that sample; returns probabilities [M, V]."""
+    """Temperature, top-k, top-p, min-p on rows that sample; returns probabilities [M, V] (rows sum to 1)."""
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
     logits = logits / temps[:, None]
@@ -84,6 +84,7 @@ def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     if any(mp > 0 for mp in min_ps):
         mp = torch.tensor(min_ps, device=dev, dtype=probs.dtype)
         probs = probs.masked_fill(probs < mp[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)  # a distribution again (rejection sampling divides p by q)
     return probs
 
 
