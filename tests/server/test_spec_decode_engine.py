@@ -193,3 +193,30 @@ def test_seeded_requests_reproducible_whatever_is_batched(tiny_engine_factory):
     eng.add_request("batched", [11, 12, 13] * 4, p)
     assert run_to_completion(eng)["batched"].outputs[0].token_ids == alone
     assert_pool_consistent(eng)
+
+
+def test_acceptance_cut_off_stops_drafting_that_does_not_pay(tiny_engine_factory, tiny_qwen2_dir):
+    """A draft model that disagrees with the target is verified a handful of times (back-off 8, 16, 32 steps),
+    not at every step; the output is the plain engine's."""
+    from kvfleet_server.engine.scheduler import DraftGate
+
+    g = DraftGate()
+    assert g.open(0)
+    g.update(1, 3, 0)
+    assert not g.open(8) and g.open(9)
+    g.update(9, 3, 0)
+    assert not g.open(24) and g.open(25)
+    g.update(25, 3, 3)  # a probe that pays resets the back-off
+    assert g.open(26) and g.backoff == DraftGate.FIRST_BACKOFF
+
+    plain = tiny_engine_factory()
+    eng = tiny_engine_factory(speculative_config=_spec("draft_model", tiny_qwen2_dir))
+    outs, verifications = [], []
+    for e in (plain, eng):
+        e.add_request("x", [9, 10, 11, 12], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        count = []
+        outs.append(run_to_completion(e, on_step=lambda e: count.append(e.last_iteration.num_drafts))
+                    ["x"].outputs[0].token_ids)
+        verifications.append(sum(count))
+    assert outs[0] == outs[1]
+    assert 1 <= verifications[1] <= 6, verifications

@@ -375,7 +375,7 @@ class LLMEngine:
             per_pos.extend([0] * (k - len(per_pos)))
             for j in range(r.num_accepted):
                 per_pos[j] += 1
-            self.scheduler.rollback(seq, r.num_accepted)
+            self.scheduler.rollback(seq, k, r.num_accepted)
             for tok, lp in zip(r.token_ids, r.logprobs):
                 self._append_token(seq, tok, lp)
                 it.num_generation_tokens += 1

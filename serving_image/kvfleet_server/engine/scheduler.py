@@ -68,6 +68,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_published_blocks = 0
         self.num_draft_computed = 0  # leading positions whose draft-model KV is in the cache
+        self.draft_gate = DraftGate()
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -97,6 +98,37 @@ class Sequence:
             toks = self.token_ids[i * block_size : (i + 1) * block_size]
             self.block_hashes.append(hash_block_tokens(parent, toks, extra))
         return self.block_hashes[:upto_blocks]
+
+
+class DraftGate:
+    """Acceptance-based cut-off of speculation for one sequence (speculative decoding).
+
+    Tracks an exponential moving average of the fraction of drafts accepted. When it falls below
+    ``MIN_ACCEPTANCE`` the sequence decodes without drafts for a back-off number of steps (8, doubling after
+    every failed probe up to 256), then probes again: a sequence whose text the proposer cannot predict
+    costs almost nothing after a few steps, one that starts quoting its prompt is picked up again. The
+    output distribution does not depend on when drafts are used (verification is lossless either way).
+    """
+
+    MIN_ACCEPTANCE = 0.3
+    FIRST_BACKOFF, MAX_BACKOFF = 8, 256
+
+    def __init__(self):
+        self.ema = self.MIN_ACCEPTANCE  # a first verification that accepts little already cuts off
+        self.backoff = self.FIRST_BACKOFF
+        self.resume_step = 0
+
+    def open(self, step: int) -> bool:
+        return step >= self.resume_step
+
+    def update(self, step: int, num_drafts: int, num_accepted: int) -> None:
+        self.ema = 0.5 * self.ema + 0.5 * num_accepted / num_drafts
+        if self.ema >= self.MIN_ACCEPTANCE:
+            self.backoff = self.FIRST_BACKOFF
+            return
+        self.resume_step = step + self.backoff
+        self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+        self.ema = self.MIN_ACCEPTANCE  # the probe after the back-off decides alone
 
 
 _req_counter = itertools.count()
@@ -194,6 +226,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self.max_model_len = max_model_len
+        self.num_steps = 0
 
     # --- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -220,14 +253,15 @@ class Scheduler:
         """Draft tokens a decoding sequence may verify this step: k, fewer when the token budget, its
         max_tokens or max_model_len leave less room (every accepted draft plus the bonus token must
         fit), 0 for prefills (chunked or after preemption)."""
-        if seq.num_uncomputed != 1:
+        if seq.num_uncomputed != 1 or not seq.draft_gate.open(self.num_steps):
             return 0
         room = min(seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
         return max(0, min(self.num_speculative_tokens, budget - 1, room))
 
-    def rollback(self, seq: Sequence, num_accepted: int) -> None:
+    def rollback(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """After verification: the accepted drafts' KV counts as computed; blocks holding only rejected
         draft slots go back to the pool at once (the partly rejected last block is overwritten later)."""
+        seq.draft_gate.update(self.num_steps, num_drafts, num_accepted)
         seq.num_computed_tokens += num_accepted
         seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
         self.kv.truncate(seq.seq_id, self.kv.blocks_for(seq.num_computed_tokens))
@@ -293,6 +327,7 @@ class Scheduler:
 
     # --- the policy ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.running.sort(key=Sequence.arrival_key)
