@@ -107,8 +107,8 @@ class SpeculativeConfig(_Model):
     @classmethod
     def _refuse_unbuilt(cls, v):
         if v in UNSUPPORTED_SPECULATIVE_METHODS:
-            raise ValueError(f"spec.engine.speculative.method {v!r}: not supported yet by kvfleet-server (needs "
-                             f"trained draft heads); use one of {', '.join(SPECULATIVE_METHODS)}")
+            raise ValueError(f"spec.engine.speculative.method: not supported yet: --speculative-config method {v!r} "
+                             f"(needs trained draft heads; built: {', '.join(SPECULATIVE_METHODS)})")
         return v
 
     @model_validator(mode="after")

@@ -221,7 +221,7 @@ async def test_unbuilt_speculative_method_is_degraded_not_a_crash_looping_pod(ap
         await _settle()
         assert not [w for w in emulator.writes if w["resource"] == "deployments"]
     c = cond(live, "Degraded")
-    assert "'eagle3': not supported yet" in c["message"] and "spec.engine.speculative.method" in c["message"]
+    assert "spec.engine.speculative.method: not supported yet: --speculative-config method 'eagle3'" in c["message"]
 
 
 async def test_autoscaled_replicas_are_not_reset(api, emulator):

@@ -126,7 +126,8 @@ def test_unbuilt_speculative_method_refused_at_render(method):
     with pytest.raises(render.Unrealisable) as e:
         render.render(isvc(spec))
     assert e.value.reason == "InvalidSpec"
-    assert f"spec.engine.speculative.method {method!r}: not supported yet" in e.value.message
+    assert f"spec.engine.speculative.method: not supported yet: --speculative-config method {method!r}" \
+        in e.value.message
 
 
 @pytest.mark.usefixtures("features_landed")

@@ -110,7 +110,10 @@ VLLM_COMMAND_LINES = [
     ("--model /models/llama-70b --quantization fp8 --max-model-len 32768", "--quantization"),
     ("--model /models/llama --kv-cache-dtype fp8", "--kv-cache-dtype"),
     ("--model /models/llama --speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":5,"
-     "\"prompt_lookup_max\":4}'", "--speculative-config"),
+     "\"prompt_lookup_max\":4}'", None),
+    ("--model /models/llama --speculative-config '{\"method\":\"eagle3\",\"model\":\"/models/eagle3\","
+     "\"num_speculative_tokens\":5}'", "--speculative-config"),
+    ("--model /models/llama --speculative-config '{\"method\":\"ngram\"}'", "num_speculative_tokens"),
     ("--model /models/llama --revision 0e9e39f249a16976918f6564b8830bc894c89659", "--revision"),
     ("--model /models/llama --download-dir /data/hf", "--download-dir"),
     ("--model /models/llama --generation-config auto", "--generation-config"),
