@@ -59,6 +59,8 @@ class EngineConfig:
         max_num_batched_tokens: token budget of one step (decodes + prefill chunks); None → 2048
             (raised to max_num_seqs if smaller).
         enable_prefix_caching: reuse KV of identical prompt prefixes (issue 7).
+        speculative_config: speculative decoding, vLLM's JSON keys (methods ngram, draft_model, layer_skip;
+            docs/spec_decode.md); validated by ``spec_decode.config.SpeculativeConfig``.
         seed: seeds the RNG used for requests without their own seed.
         max_logprobs: most log-probabilities a request may ask for per token (logprobs, top_logprobs,
             prompt_logprobs); -1 means the vocabulary size (vLLM's --max-logprobs, default 20).
