@@ -103,10 +103,11 @@ def test_metrics_match_engine_counts(tiny_engine_factory):
 
 
 @pytest.mark.parametrize("cfg, exc, text", [
-    ({"method": "eagle", "num_speculative_tokens": 3}, UnsupportedFeatureError, "not supported yet: .*'eagle'"),
-    ({"method": "eagle3", "num_speculative_tokens": 3}, UnsupportedFeatureError, "'eagle3'"),
-    ({"method": "medusa", "num_speculative_tokens": 3}, UnsupportedFeatureError, "'medusa'"),
-    ({"method": "mtp", "num_speculative_tokens": 3}, UnsupportedFeatureError, "'mtp'"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, UnsupportedFeatureError,
+     'not supported yet: --speculative-config .*"method": "eagle"'),
+    ({"method": "eagle3", "num_speculative_tokens": 3}, UnsupportedFeatureError, '"method": "eagle3"'),
+    ({"method": "medusa", "num_speculative_tokens": 3}, UnsupportedFeatureError, '"method": "medusa"'),
+    ({"method": "mtp", "num_speculative_tokens": 3}, UnsupportedFeatureError, '"method": "mtp"'),
     ({"method": "ngram"}, ValueError, "speculative_config.num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 17}, ValueError, r"num_speculative_tokens must be .* \[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, ValueError,
