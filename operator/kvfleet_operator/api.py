@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 GROUP = "serving.kvfleet.dev"
@@ -78,29 +78,54 @@ class ModelSource(_Model):
         description="Tokenizer to load instead of the model's own (passed as --tokenizer).")
 
 
+#: speculative methods kvfleet-server builds (kvfleet_server.spec_decode.config.SUPPORTED_METHODS; a test keeps
+#: them equal); "draft" is the older name of draft_model. vLLM's trained-head methods are refused by name.
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
+UNSUPPORTED_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mtp", "mlp_speculator")
+
+
 class SpeculativeConfig(_Model):
     """Speculative decoding (rendered as --speculative-config JSON, vLLM's keys)."""
-    method: Literal["ngram", "draft", "eagle3"] | None = Field(
-        default=None, description="Proposer: ngram (prompt lookup), draft (a smaller draft model) or eagle3 "
-                                  "(an EAGLE-3 head). Unset: no speculative decoding.")
+    method: Literal["ngram", "draft_model", "layer_skip", "draft"] | None = Field(
+        default=None, description="Proposer: ngram (prompt lookup), draft_model (a smaller model with the same "
+                                  "tokenizer; draft is its older name) or layer_skip (the target's first "
+                                  "numDraftLayers layers draft). Unset: no speculative decoding.")
     num_speculative_tokens: int | None = Field(
-        default=None, ge=1, le=16, description="Tokens proposed per step (1-16). Requires method.")
+        default=None, ge=1, le=16, description="Tokens proposed per step (1-16). Required with method.")
     draft_model: str | None = Field(
         default=None, min_length=1, max_length=1024, pattern=MODEL_URI_PATTERN,
-        description="Draft model or EAGLE-3 head uri (same schemes as model.uri). Required for draft and eagle3.")
+        description="Draft model uri (same schemes as model.uri). Required for draft_model.")
     prompt_lookup_min: int | None = Field(default=None, ge=1, le=64,
                                           description="ngram: smallest n-gram to match in the prompt.")
     prompt_lookup_max: int | None = Field(default=None, ge=1, le=64,
                                           description="ngram: largest n-gram to match in the prompt.")
+    num_draft_layers: int | None = Field(default=None, ge=1, le=1024,
+                                         description="layer_skip: target layers the drafter runs (required).")
+    disable_by_batch_size: int | None = Field(
+        default=None, ge=1, description="A step with more running sequences than this does not speculate.")
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _refuse_unbuilt(cls, v):
+        if v in UNSUPPORTED_SPECULATIVE_METHODS:
+            raise ValueError(f"spec.engine.speculative.method: not supported yet: --speculative-config method {v!r} "
+                             f"(needs trained draft heads; built: {', '.join(SPECULATIVE_METHODS)})")
+        return v
 
     @model_validator(mode="after")
     def _rules(self) -> "SpeculativeConfig":
-        if self.method in ("draft", "eagle3") and not self.draft_model:
-            raise ValueError("spec.engine.speculative.draftModel is required when method is draft or eagle3")
-        if self.method not in ("draft", "eagle3") and self.draft_model:
-            raise ValueError("spec.engine.speculative.draftModel is only valid with method draft or eagle3")
+        drafty = self.method in ("draft", "draft_model")
+        if drafty and not self.draft_model:
+            raise ValueError("spec.engine.speculative.draftModel is required when method is draft_model")
+        if not drafty and self.draft_model:
+            raise ValueError("spec.engine.speculative.draftModel is only valid with method draft_model")
         if self.method is None and self.num_speculative_tokens is not None:
             raise ValueError("spec.engine.speculative.numSpeculativeTokens requires spec.engine.speculative.method")
+        if self.method is not None and self.num_speculative_tokens is None:
+            raise ValueError("spec.engine.speculative.numSpeculativeTokens is required with a method")
+        if (self.method == "layer_skip") != (self.num_draft_layers is not None):
+            raise ValueError("spec.engine.speculative.numDraftLayers is required with, and only valid with, "
+                             "method layer_skip")
         if self.method != "ngram" and (self.prompt_lookup_min is not None or self.prompt_lookup_max is not None):
             raise ValueError("spec.engine.speculative.promptLookupMin/Max are only valid with method ngram")
         if (self.prompt_lookup_min is not None and self.prompt_lookup_max is not None
@@ -382,15 +407,21 @@ AUTOSCALING_RULES = [
      "fieldPath": ".maxReplicas", "reason": "FieldValueRequired"},
 ]
 SPECULATIVE_RULES = [
-    {"rule": "!has(self.method) || !(self.method in ['draft', 'eagle3']) || has(self.draftModel)",
-     "message": "spec.engine.speculative.draftModel is required when method is draft or eagle3",
+    {"rule": "!has(self.method) || !(self.method in ['draft', 'draft_model']) || has(self.draftModel)",
+     "message": "spec.engine.speculative.draftModel is required when method is draft_model",
      "fieldPath": ".draftModel", "reason": "FieldValueRequired"},
-    {"rule": "(has(self.method) && self.method in ['draft', 'eagle3']) || !has(self.draftModel)",
-     "message": "spec.engine.speculative.draftModel is only valid with method draft or eagle3",
+    {"rule": "(has(self.method) && self.method in ['draft', 'draft_model']) || !has(self.draftModel)",
+     "message": "spec.engine.speculative.draftModel is only valid with method draft_model",
      "fieldPath": ".draftModel", "reason": "FieldValueForbidden"},
     {"rule": "has(self.method) || !has(self.numSpeculativeTokens)",
      "message": "spec.engine.speculative.numSpeculativeTokens requires spec.engine.speculative.method",
      "fieldPath": ".numSpeculativeTokens", "reason": "FieldValueForbidden"},
+    {"rule": "!has(self.method) || has(self.numSpeculativeTokens)",
+     "message": "spec.engine.speculative.numSpeculativeTokens is required with a method",
+     "fieldPath": ".numSpeculativeTokens", "reason": "FieldValueRequired"},
+    {"rule": "(has(self.method) && self.method == 'layer_skip') == has(self.numDraftLayers)",
+     "message": "spec.engine.speculative.numDraftLayers is required with, and only valid with, method layer_skip",
+     "fieldPath": ".numDraftLayers", "reason": "FieldValueInvalid"},
     {"rule": "(has(self.method) && self.method == 'ngram') || (!has(self.promptLookupMin) && !has(self.promptLookupMax))",
      "message": "spec.engine.speculative.promptLookupMin/Max are only valid with method ngram",
      "fieldPath": ".method", "reason": "FieldValueForbidden"},

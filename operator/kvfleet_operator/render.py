@@ -222,6 +222,10 @@ def server_args(spec: api.InferenceServiceSpec, model_path: str, draft_path: str
             cfg["prompt_lookup_min"] = sp.prompt_lookup_min
         if sp.prompt_lookup_max is not None:
             cfg["prompt_lookup_max"] = sp.prompt_lookup_max
+        if sp.num_draft_layers is not None:
+            cfg["num_draft_layers"] = sp.num_draft_layers
+        if sp.disable_by_batch_size is not None:
+            cfg["disable_by_batch_size"] = sp.disable_by_batch_size
         args += ["--speculative-config", json.dumps(cfg, sort_keys=True, separators=(",", ":"))]
     args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
     threads = cpu_threads(spec)

@@ -80,6 +80,8 @@ class EngineConfig:
         kv_cache_dtype: "auto" (= the model dtype) | "fp8" (= "fp8_e4m3") | "fp8_e5m2".
         tensor_parallel_size: N ranks holding 1/N of every layer (rank 0 is this process, ranks 1..N-1
             are spawned worker processes: ``executor/workers.py``); the model's head counts must split.
+        speculative_config: speculative decoding, vLLM's JSON keys (methods ngram, draft_model, layer_skip;
+            docs/spec_decode.md); validated by ``spec_decode.config.SpeculativeConfig``.
         seed: seeds the RNG used for requests without their own seed.
         max_logprobs: most log-probabilities a request may ask for per token (logprobs, top_logprobs,
             prompt_logprobs); -1 means the vocabulary size (vLLM's --max-logprobs, default 20).
@@ -154,6 +156,10 @@ class EngineConfig:
         ct = so["compile_timeout"]
         if isinstance(ct, bool) or not isinstance(ct, (int, float)) or not ct > 0:
             raise ValueError(f"structured_outputs_config.compile_timeout must be a positive number of seconds, got {ct!r}")
+        if self.speculative_config:
+            from .spec_decode.config import SpeculativeConfig
+
+            SpeculativeConfig.from_dict(self.speculative_config)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -71,6 +71,22 @@ def format_stats_log(*, interval_s: float, prompt_tokens: int, generation_tokens
             f"(since start {pct(total_cache_hits, total_cache_queries):.1f}%)")
 
 
+def format_spec_decode_log(*, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                           accepted_per_pos: list[int], interval_s: float, engine: str = "0") -> str:
+    """vLLM's "SpecDecoding metrics" line over one interval: mean acceptance length = 1 + accepted /
+    drafts (tokens emitted per verification, bonus included), per-position acceptance rate = accepted
+    at position j / drafts, draft acceptance rate = accepted / drafted tokens."""
+    eng = f"{int(engine):03d}" if str(engine).isdigit() else str(engine)
+    mean_len = 1.0 + num_accepted_tokens / num_drafts if num_drafts else 0.0
+    rates = ", ".join(f"{a / num_drafts:.3f}" if num_drafts else "0.000" for a in accepted_per_pos)
+    rate = 100.0 * num_accepted_tokens / num_draft_tokens if num_draft_tokens else 0.0
+    return (f"Engine {eng}: SpecDecoding metrics: Mean acceptance length: {mean_len:.2f}, "
+            f"Accepted throughput: {num_accepted_tokens / interval_s:.2f} tokens/s, "
+            f"Drafted throughput: {num_draft_tokens / interval_s:.2f} tokens/s, "
+            f"Accepted: {num_accepted_tokens} tokens, Drafted: {num_draft_tokens} tokens, "
+            f"Per-position acceptance rate: {rates}, Avg Draft acceptance rate: {rate:.1f}%")
+
+
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to ``max_value`` (vLLM's token-count buckets)."""
     out, exp = [], 0
@@ -196,6 +212,25 @@ class ServerMetrics:
         self._log_last: float | None = None
         self._win = [0, 0, 0, 0]  # prompt, generation, cache queries, cache hits since the last log line
         self._cache_totals = [0, 0]  # cache queries, hits since start
+        self.num_speculative_tokens = 0
+        self._spec_win = [0, 0, 0]  # drafts, draft tokens, accepted tokens since the last log line
+        self._spec_win_pos: list[int] = []
+
+    def enable_spec_decode(self, num_speculative_tokens: int) -> None:
+        """Create vLLM's speculative decoding counters (only servers that speculate export them)."""
+        names = list(self.labels)
+        r = self.registry
+        k = self.num_speculative_tokens = num_speculative_tokens
+        self.spec_num_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                                       names, registry=r).labels(**self.labels)
+        self.spec_num_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                                             names, registry=r).labels(**self.labels)
+        self.spec_num_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                                "Number of accepted tokens.", names, registry=r).labels(**self.labels)
+        per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                          "Accepted tokens per draft position.", names + ["position"], registry=r)
+        self.spec_accepted_per_pos = [per_pos.labels(**self.labels, position=str(j)) for j in range(k)]
+        self._spec_win_pos = [0] * k
 
     # ------------------------------------------------------------------ producers
 
@@ -246,6 +281,17 @@ class ServerMetrics:
         w[3] += it.prefix_cache_hits
         self._cache_totals[0] += it.prefix_cache_queries
         self._cache_totals[1] += it.prefix_cache_hits
+        if self.num_speculative_tokens and it.num_drafts:
+            self.spec_num_drafts.inc(it.num_drafts)
+            self.spec_num_draft_tokens.inc(it.num_draft_tokens)
+            self.spec_num_accepted_tokens.inc(it.num_accepted_tokens)
+            sw = self._spec_win
+            sw[0] += it.num_drafts
+            sw[1] += it.num_draft_tokens
+            sw[2] += it.num_accepted_tokens
+            for j, n in enumerate(it.num_accepted_tokens_per_pos):
+                self.spec_accepted_per_pos[j].inc(n)
+                self._spec_win_pos[j] += n
 
     def maybe_log(self, stats: SchedulerStats, now: float | None = None) -> str | None:
         """Log (at INFO on ``kvfleet.stats``) and return the stats line when ``log_stats_interval_s`` has
@@ -270,6 +316,13 @@ class ServerMetrics:
                                 total_cache_queries=self._cache_totals[0], total_cache_hits=self._cache_totals[1],
                                 engine=self.labels["engine"])
         stats_logger.info(line)
+        if self.num_speculative_tokens:
+            sw, pos = self._spec_win, self._spec_win_pos
+            spec_line = format_spec_decode_log(num_drafts=sw[0], num_draft_tokens=sw[1], num_accepted_tokens=sw[2],
+                                               accepted_per_pos=pos, interval_s=elapsed, engine=self.labels["engine"])
+            self._spec_win, self._spec_win_pos = [0, 0, 0], [0] * self.num_speculative_tokens
+            stats_logger.info(spec_line)
+            line += "\n" + spec_line
         return line
 
     def on_output(self, out, now: float | None = None) -> None:

@@ -7,7 +7,7 @@ The engine owns the numbers, the server owns Prometheus: ``LLMEngine.get_stats()
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -43,6 +43,9 @@ class IterationStats:
         prefix_cache_hits: of those, tokens whose KV was reused.
         num_jump_forward_tokens: tokens appended from grammars' forced continuations (no sampling).
         structured_output_mask_s: seconds spent filling grammar bitmasks in this step.
+        num_drafts: sequences that verified draft tokens (speculative decoding).
+        num_draft_tokens: draft tokens verified; num_accepted_tokens: of those, accepted.
+        num_accepted_tokens_per_pos: [k] accepted drafts at each draft position 0..k-1.
     """
 
     num_prompt_tokens: int = 0
@@ -52,6 +55,10 @@ class IterationStats:
     prefix_cache_hits: int = 0
     num_jump_forward_tokens: int = 0
     structured_output_mask_s: float = 0.0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -21,6 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
+#: speculative decoding methods kvfleet-server builds (spec_decode/), and vLLM's methods it refuses by name
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
+UNBUILT_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mtp", "mlp_speculator", "suffix", "deepseek_mtp")
+
+
 @dataclass(frozen=True)
 class EngineRefusal:
     """One server setting (or combination) kvfleet refuses at start-up.
@@ -94,8 +99,16 @@ BOTH = (COMPLETIONS, CHAT)
 ENGINE_REFUSALS: tuple[EngineRefusal, ...] = (
     EngineRefusal("--pipeline-parallel-size", "pipeline_parallel_size", "pipeline parallelism",
                   _not("pipeline_parallel_size", 1), ("--pipeline-parallel-size", "2")),
-    EngineRefusal("--speculative-config", "speculative_config", "speculative decoding",
-                  _set("speculative_config"), ("--speculative-config", '{"method":"ngram","num_speculative_tokens":4}')),
+    EngineRefusal("--speculative-config", "speculative_config",
+                  f"speculative methods that need trained draft heads; built: {', '.join(SPECULATIVE_METHODS)}",
+                  lambda s: isinstance(s.get("speculative_config"), dict)
+                  and s["speculative_config"].get("method") in UNBUILT_SPECULATIVE_METHODS,
+                  ("--speculative-config", '{"method":"eagle3","num_speculative_tokens":4}')),
+    EngineRefusal("--speculative-config", "speculative_config",
+                  "speculative decoding with --tensor-parallel-size > 1: draft passes run on rank 0 alone",
+                  lambda s: bool(s.get("speculative_config")) and (s.get("tensor_parallel_size") or 1) > 1,
+                  ("--speculative-config", '{"method":"ngram","num_speculative_tokens":4}',
+                   "--tensor-parallel-size", "3")),
     EngineRefusal("--dtype", "dtype", "float16 on CPU; use float32 or bfloat16, or a GPU",
                   lambda s: s.get("dtype") == "float16" and s.get("device") == "cpu",
                   ("--dtype", "float16", "--device", "cpu")),

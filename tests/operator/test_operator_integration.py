@@ -187,8 +187,28 @@ async def test_kopf_state_survives_schema_pruning(api, emulator):
     assert "kopf" not in live["status"]
 
 
-async def test_autoscaled_replicas_are_not_reset(api, emulator, features_landed):
-    obj = sample("llama-3.1-8b-instruct-eagle3.yaml")
+async def test_unbuilt_speculative_method_is_degraded_not_a_crash_looping_pod(api, emulator):
+    """An object stored before the CRD narrowed its method enum (eagle3 was in the old sample) is refused when
+    rendering: Degraded names the method, no Deployment is created."""
+    obj = sample("llama-3.1-8b-instruct-draft.yaml")
+    obj["metadata"]["name"] = "old-eagle3"
+    obj["spec"]["engine"]["speculative"] = {"method": "eagle3", "numSpeculativeTokens": 5,
+                                            "draftModel": "hf://yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}
+    async with running_operator():
+        await api.create(AV, PL, "default", obj)
+
+        async def degraded():
+            o = await api.get(AV, PL, "default", "old-eagle3")
+            return o if cond(o, "Degraded").get("status") == "True" else None
+        live = await wait_for(degraded)
+        await _settle()
+        assert not [w for w in emulator.writes if w["resource"] == "deployments"]
+    c = cond(live, "Degraded")
+    assert "spec.engine.speculative.method: not supported yet: --speculative-config method 'eagle3'" in c["message"]
+
+
+async def test_autoscaled_replicas_are_not_reset(api, emulator):
+    obj = sample("llama-3.1-8b-instruct-draft.yaml")
     name = obj["metadata"]["name"]
     async with running_operator():
         await api.create(AV, PL, "default", obj)

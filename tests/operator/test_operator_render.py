@@ -87,18 +87,47 @@ def test_every_engine_field_becomes_a_flag():
     assert box["lifecycle"]["preStop"]["sleep"]["seconds"] == render.PRESTOP_SLEEP_SECONDS
 
 
-@pytest.mark.usefixtures("features_landed")
-def test_eagle3_draft_model_is_downloaded_and_passed():
-    spec = {**HF, "engine": {"speculative": {"method": "eagle3", "numSpeculativeTokens": 5,
-                                             "draftModel": "hf://yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}}}
+def test_draft_model_is_downloaded_and_passed():
+    spec = {**HF, "engine": {"speculative": {"method": "draft_model", "numSpeculativeTokens": 5,
+                                             "draftModel": "hf://meta-llama/Llama-3.2-1B-Instruct",
+                                             "disableByBatchSize": 16}}}
     c = render.render(isvc(spec))
     cfg = json.loads(flag(container(c)["args"], "--speculative-config"))
-    assert cfg == {"method": "eagle3", "num_speculative_tokens": 5,
-                   "model": "/models/hf/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B/main"}
+    assert cfg == {"method": "draft_model", "num_speculative_tokens": 5, "disable_by_batch_size": 16,
+                   "model": "/models/hf/meta-llama/Llama-3.2-1B-Instruct/main"}
     inits = c.deployment["spec"]["template"]["spec"]["initContainers"]
     assert [i["command"][3:] for i in inits] == [
         ["meta-llama/Llama-3.1-8B-Instruct", "main", "/models/hf/meta-llama/Llama-3.1-8B-Instruct/main"],
-        ["yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "main", "/models/hf/yuhuili/EAGLE3-LLaMA3.1-Instruct-8B/main"]]
+        ["meta-llama/Llama-3.2-1B-Instruct", "main", "/models/hf/meta-llama/Llama-3.2-1B-Instruct/main"]]
+
+
+def test_layer_skip_renders_exactly_the_server_json():
+    spec = {**HF, "engine": {"speculative": {"method": "layer_skip", "numSpeculativeTokens": 3, "numDraftLayers": 12}}}
+    cfg = json.loads(flag(container(render.render(isvc(spec)))["args"], "--speculative-config"))
+    assert cfg == {"method": "layer_skip", "num_speculative_tokens": 3, "num_draft_layers": 12}
+    from kvfleet_server.spec_decode.config import SpeculativeConfig
+
+    assert SpeculativeConfig.from_dict(cfg).num_draft_layers == 12  # the server accepts what is rendered
+
+
+def test_crd_methods_follow_the_server():
+    from kvfleet_server.spec_decode import config as server
+
+    from kvfleet_operator import api
+
+    assert api.SPECULATIVE_METHODS == server.SUPPORTED_METHODS
+    assert set(api.UNSUPPORTED_SPECULATIVE_METHODS) <= set(server.UNSUPPORTED_METHODS)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "mtp"])
+def test_unbuilt_speculative_method_refused_at_render(method):
+    spec = {**HF, "engine": {"speculative": {"method": method, "numSpeculativeTokens": 5,
+                                             "draftModel": "hf://yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}}}
+    with pytest.raises(render.Unrealisable) as e:
+        render.render(isvc(spec))
+    assert e.value.reason == "InvalidSpec"
+    assert f"spec.engine.speculative.method: not supported yet: --speculative-config method {method!r}" \
+        in e.value.message
 
 
 def test_tp4_gets_four_gpus_and_shared_memory():
@@ -301,7 +330,7 @@ def test_hf_revision_and_pvc_without_path():
 def test_long_pvc_claims_get_distinct_valid_volume_names():
     a, b = "c" * 70 + "-model", "c" * 70 + "-draft"
     c = render.render(isvc({"model": {"uri": f"pvc://{a}/m"},
-                            "engine": {"speculative": {"method": "draft", "draftModel": f"pvc://{b}/d"}}}))
+                            "engine": {"speculative": {"method": "draft", "numSpeculativeTokens": 2, "draftModel": f"pvc://{b}/d"}}}))
     vols = [v for v in c.deployment["spec"]["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v]
     assert [v["persistentVolumeClaim"]["claimName"] for v in vols] == [a, b]
     assert len({v["name"] for v in vols}) == 2 and all(len(v["name"]) <= 63 for v in vols)

@@ -42,7 +42,8 @@ def test_flags_reach_engine_config():
 
 
 @pytest.mark.parametrize("args", [
-    ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'],
+    ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'],
+    ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--tensor-parallel-size", "3"],
 ])
 def test_unbuilt_features_are_refused_at_start(args):
     out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--port", "1", *args], capture_output=True,
@@ -122,7 +123,10 @@ VLLM_COMMAND_LINES = [
     ("--model /models/llama --quantization awq", "quantization='awq'"),
     ("--model /models/llama --kv-cache-dtype fp8_e3m4", "kv_cache_dtype='fp8_e3m4'"),
     ("--model /models/llama --speculative-config '{\"method\":\"ngram\",\"num_speculative_tokens\":5,"
-     "\"prompt_lookup_max\":4}'", "--speculative-config"),
+     "\"prompt_lookup_max\":4}'", None),
+    ("--model /models/llama --speculative-config '{\"method\":\"eagle3\",\"model\":\"/models/eagle3\","
+     "\"num_speculative_tokens\":5}'", "--speculative-config"),
+    ("--model /models/llama --speculative-config '{\"method\":\"ngram\"}'", "num_speculative_tokens"),
     ("--model /models/llama --revision 0e9e39f249a16976918f6564b8830bc894c89659", "--revision"),
     ("--model /models/llama --download-dir /data/hf", "--download-dir"),
     ("--model /models/llama --generation-config auto", "--generation-config"),

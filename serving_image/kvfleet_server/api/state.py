@@ -117,6 +117,9 @@ class ServerState:
             enable_prefix_caching=getattr(cfg, "enable_prefix_caching", False),
             gpu_memory_utilization=getattr(cfg, "gpu_memory_utilization", 0.0),
             kv_cache_dtype=getattr(cfg, "kv_cache_dtype", "auto"))
+        spec = getattr(llm, "spec_config", None)
+        if spec is not None:
+            self.metrics.enable_spec_decode(spec.num_speculative_tokens)
         self.engine = engine
 
     def fail(self, reason: str) -> None:

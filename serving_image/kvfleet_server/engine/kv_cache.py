@@ -230,6 +230,12 @@ class KVCacheManager:
         for block in reversed(self.block_tables.pop(seq_id, [])):
             self.pool.decref(block)
 
+    def truncate(self, seq_id: str, num_blocks: int) -> None:
+        """Keep the first ``num_blocks`` blocks of a sequence's table, release the rest (tail first)."""
+        table = self.block_tables.get(seq_id)
+        while table is not None and len(table) > num_blocks:
+            self.pool.decref(table.pop())
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Child shares every block of the parent (ref counts +1); writes later trigger copy-on-write."""
         table = self.block_tables[parent_id]

@@ -33,11 +33,14 @@ from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..executor.model_runner import kv_bytes_per_token
 from ..sample.grammar import GrammarCompiler, SequenceGrammar, allocate_bitmask
 from ..sample.jump_forward import plan_jump_forward
+from ..sample.rejection import VerifySpan, verify
 from ..sample.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
 from ..sampling_params import SamplingParams
 from .scheduler import Request, ScheduledSeq, Scheduler, Sequence, SeqStatus
 from ..stats import IterationStats, SchedulerStats
 from ..model.tokenizer import Tokenizer
+from ..spec_decode import build_proposer
+from ..spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -106,7 +109,18 @@ class LLMEngine:
             self.model_name = config.resolved_served_name()
             self.block_size = bs = config.block_size
             self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-            self.runner, self.num_blocks = size_kv_pool(config, self.model, self.tp, self.device)
+            self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
+                                if config.speculative_config else None)
+            self.proposer = None
+            if self.spec_config is not None:
+                self.proposer = build_proposer(self.spec_config, self.model, self.model_config, self.tokenizer,
+                                               self.dtype, self.device, max_len)
+                lap("draft model")
+            self.runner, self.num_blocks = size_kv_pool(
+                config, self.model, self.tp, self.device,
+                extra_kv_bytes_per_token=self.proposer.extra_kv_bytes_per_token if self.proposer else 0)
+            if self.proposer is not None:
+                self.proposer.bind(self.runner)
             lap("kv_cache allocation")
         except BaseException:
             self.shutdown()
@@ -115,6 +129,8 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         per_token = kv_bytes_per_token(mc.num_hidden_layers, self.model.shard.num_kv_heads, mc.head_dim,
                                        self.kv_cache_dtype)
+        if self.proposer is not None:
+            per_token += self.proposer.extra_kv_bytes_per_token
         capacity = self.num_blocks * bs
         if max_len > capacity:
             if config.max_model_len is not None:
@@ -131,8 +147,12 @@ class LLMEngine:
             f" per rank × {tp_size} ranks" if tp_size > 1 else "", self.kv_cache_dtype, max_len, capacity / max_len,
         )
         self.kv = KVCacheManager(self.num_blocks, bs)
+        sc = self.spec_config
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_prefix_caching)
+                                   config.enable_prefix_caching,
+                                   num_speculative_tokens=sc.num_speculative_tokens if sc else 0,
+                                   disable_by_batch_size=sc.disable_by_batch_size if sc else None,
+                                   max_model_len=max_len)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -308,14 +328,20 @@ class LLMEngine:
                 m.first_scheduled_time = now
             it.num_prompt_tokens += max(0, min(s.seq.num_computed_tokens + s.num_new, s.seq.num_prompt_tokens)
                                         - s.seq.num_computed_tokens)
-        batch = self.runner.execute(scheduled, {s.seq.seq_id: self.kv.block_ids(s.seq.seq_id) for s in scheduled},
-                                    sched.copies)
+        copies = sched.copies
+        if self.proposer is not None and copies:  # the drafters read KV (layer_skip: the target's) before the step
+            self.runner.copy_blocks(copies)
+            self.proposer.copy_blocks(copies)
+            copies = []
         for block in sched.pinned:
             self.kv.pool.decref(block)
-        samplers = [i for i, s in enumerate(scheduled) if s.samples]
+        drafts = self._propose(scheduled) if self.proposer is not None else {}
+        batch = self.runner.execute(scheduled, {s.seq.seq_id: self.kv.block_ids(s.seq.seq_id) for s in scheduled},
+                                    copies)
+        samplers = [i for i, s in enumerate(scheduled) if s.samples and not s.draft_ids]
         self._prompt_logprobs(scheduled, batch)
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new
+            s.seq.num_computed_tokens += s.num_known  # drafts count once verified (_verify_drafts)
             self.scheduler.publish_computed_blocks(s.seq)
 
         rows: list[int] = []
@@ -341,6 +367,8 @@ class LLMEngine:
                     self.scheduler.add_running(child)
                     rows.append(batch.last_row[i])
                     seqs.append(child)
+        if drafts:
+            self._verify_drafts(scheduled, batch, drafts, it, touched)
         if rows:
             logits = self.runner.compute_logits(batch, rows)
             t_mask = time.perf_counter()
@@ -365,6 +393,64 @@ class LLMEngine:
         self.last_iteration = it
         return outputs
 
+    # --- speculative decoding ------------------------------------------------------------------
+    def _propose(self, scheduled: list[ScheduledSeq]) -> dict[int, "Drafts"]:
+        """Ask the proposer for drafts where the scheduler reserved slots; slots of drafts not proposed
+        go back to the pool before the forward pass. Returns {index in scheduled: Drafts} (non-empty)."""
+        from ..spec_decode.proposer import DraftRequest
+
+        idx = [i for i, s in enumerate(scheduled) if s.max_drafts]
+        if not idx:
+            return {}
+        reqs = [DraftRequest(scheduled[i].seq, scheduled[i].max_drafts, self.kv.block_ids(scheduled[i].seq.seq_id))
+                for i in idx]
+        out = {}
+        for i, d in zip(idx, self.proposer.propose(reqs)):
+            s = scheduled[i]
+            s.draft_ids = list(d.token_ids)
+            s.num_new = s.num_new - s.max_drafts + len(s.draft_ids)
+            if len(s.draft_ids) < s.max_drafts:
+                self.kv.truncate(s.seq.seq_id, self.kv.blocks_for(s.seq.num_computed_tokens + s.num_new))
+            if s.draft_ids:
+                out[i] = d
+        return out
+
+    def _verify_drafts(self, scheduled, batch, drafts, it: IterationStats, touched: dict) -> None:
+        """Rejection-sample each drafted sequence's rows (sample/rejection.py), append the accepted
+        tokens (cut at the first stop), roll the rejected tail back and publish verified blocks."""
+        order = sorted(drafts)
+        rows: list[int] = []
+        spans: list[VerifySpan] = []
+        for i in order:
+            s, d = scheduled[i], drafts[i]
+            start, n = batch.chunk_rows[i]
+            rows.extend(range(start, start + n))
+            spans.append(VerifySpan([self._sample_row(s.seq, s.draft_ids[:j]) for j in range(n)],
+                                    s.draft_ids, d.probs))
+        logits = self.runner.compute_logits(batch, rows)
+        now = time.monotonic()
+        for i, r in zip(order, verify(logits, spans)):
+            seq = scheduled[i].seq
+            k = len(scheduled[i].draft_ids)
+            it.num_drafts += 1
+            it.num_draft_tokens += k
+            it.num_accepted_tokens += r.num_accepted
+            per_pos = it.num_accepted_tokens_per_pos
+            per_pos.extend([0] * (k - len(per_pos)))
+            for j in range(r.num_accepted):
+                per_pos[j] += 1
+            self.scheduler.rollback(seq, k, r.num_accepted)
+            for tok, lp in zip(r.token_ids, r.logprobs):
+                self._append_token(seq, tok, lp)
+                it.num_generation_tokens += 1
+                if seq.is_finished:
+                    break
+            if not seq.is_finished:
+                self.scheduler.publish_computed_blocks(seq)
+            m = seq.request.metrics
+            m.last_token_time = now
+            touched[seq.request.request_id] = seq.request
+
     # --- helpers -------------------------------------------------------------------------------
     def _finish_without_sampling(self, req: Request, seq: Sequence) -> None:
         """max_tokens 0: every one of the n completions ends empty with finish_reason "length"."""
@@ -385,16 +471,18 @@ class LLMEngine:
             seqs[i].grammar.fill_bitmask(bitmask, i)
         return bitmask, idx
 
-    def _sample_row(self, seq: Sequence) -> SampleRow:
+    def _sample_row(self, seq: Sequence, drafts: list[int] = ()) -> SampleRow:
+        """Sampling context of the seq's next token; ``drafts`` = the draft tokens before the position
+        (speculative verification: history and min_tokens count them as if accepted)."""
         p = seq.request.params
         stop_ids: list[int] = []
-        if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+        if p.min_tokens and seq.num_output_tokens + len(drafts) < p.min_tokens:
             stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.tokenizer.eos_token_ids)))
         needs_hist = p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
         return SampleRow(
             params=p,
             prompt_ids=seq.token_ids[: seq.num_prompt_tokens] if needs_hist else [],
-            output_ids=seq.output_token_ids if (needs_hist or stop_ids) else [],
+            output_ids=seq.output_token_ids + list(drafts) if (needs_hist or stop_ids) else [],
             generator=seq.generator,
             stop_ids_for_min_tokens=stop_ids,
         )

@@ -69,6 +69,8 @@ class Sequence:
         self.emitted_tokens = 0
         self.block_hashes: list[bytes] = []
         self.num_published_blocks = 0
+        self.num_draft_computed = 0  # leading positions whose draft-model KV is in the cache
+        self.draft_gate = DraftGate()
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -98,6 +100,37 @@ class Sequence:
             toks = self.token_ids[i * block_size : (i + 1) * block_size]
             self.block_hashes.append(hash_block_tokens(parent, toks, extra))
         return self.block_hashes[:upto_blocks]
+
+
+class DraftGate:
+    """Acceptance-based cut-off of speculation for one sequence (speculative decoding).
+
+    Tracks an exponential moving average of the fraction of drafts accepted. When it falls below
+    ``MIN_ACCEPTANCE`` the sequence decodes without drafts for a back-off number of steps (8, doubling after
+    every failed probe up to 256), then probes again: a sequence whose text the proposer cannot predict
+    costs almost nothing after a few steps, one that starts quoting its prompt is picked up again. The
+    output distribution does not depend on when drafts are used (verification is lossless either way).
+    """
+
+    MIN_ACCEPTANCE = 0.3
+    FIRST_BACKOFF, MAX_BACKOFF = 8, 256
+
+    def __init__(self):
+        self.ema = self.MIN_ACCEPTANCE  # a first verification that accepts little already cuts off
+        self.backoff = self.FIRST_BACKOFF
+        self.resume_step = 0
+
+    def open(self, step: int) -> bool:
+        return step >= self.resume_step
+
+    def update(self, step: int, num_drafts: int, num_accepted: int) -> None:
+        self.ema = 0.5 * self.ema + 0.5 * num_accepted / num_drafts
+        if self.ema >= self.MIN_ACCEPTANCE:
+            self.backoff = self.FIRST_BACKOFF
+            return
+        self.resume_step = step + self.backoff
+        self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
+        self.ema = self.MIN_ACCEPTANCE  # the probe after the back-off decides alone
 
 
 _req_counter = itertools.count()
@@ -133,12 +166,32 @@ class Request:
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's share of a step.
+
+    Attributes:
+        num_new: tokens computed this step: positions [num_computed, num_computed + num_new), the
+            sequence's uncomputed tokens followed by its draft tokens.
+        max_drafts: draft tokens the scheduler reserved KV slots for (speculative decoding).
+        draft_ids: the proposed draft tokens (at most max_drafts; counted in num_new).
+    """
+
     seq: Sequence
-    num_new: int  # tokens computed this step: positions [num_computed, num_computed + num_new)
+    num_new: int
+    max_drafts: int = 0
+    draft_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_known(self) -> int:
+        """Tokens of this step that are already in the sequence (num_new without the drafts)."""
+        return self.num_new - len(self.draft_ids)
 
     @property
     def samples(self) -> bool:
-        return self.seq.num_computed_tokens + self.num_new == len(self.seq.token_ids)
+        return self.seq.num_computed_tokens + self.num_known == len(self.seq.token_ids)
+
+    def input_ids(self) -> list[int]:
+        p = self.seq.num_computed_tokens
+        return self.seq.token_ids[p : p + self.num_known] + self.draft_ids
 
 
 @dataclass
@@ -159,7 +212,9 @@ class Scheduler:
     """Decides, each step, which sequences compute how many tokens (see module docstring)."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool, partial_block_matching: bool = True):
+                 enable_prefix_caching: bool, partial_block_matching: bool = True,
+                 num_speculative_tokens: int = 0, disable_by_batch_size: int | None = None,
+                 max_model_len: int = 1 << 62):
         self.kv = kv
         self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
@@ -169,6 +224,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
+        # speculative decoding: each decoding sequence reserves slots for up to k draft tokens
+        self.num_speculative_tokens = num_speculative_tokens
+        self.disable_by_batch_size = disable_by_batch_size
+        self.max_model_len = max_model_len
+        self.num_steps = 0
 
     # --- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -191,6 +251,24 @@ class Scheduler:
                 pass
         self.kv.free(seq.seq_id)
 
+    def _num_drafts(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens a decoding sequence may verify this step: k, fewer when the token budget, its
+        max_tokens or max_model_len leave less room (every accepted draft plus the bonus token must
+        fit), 0 for prefills (chunked or after preemption) and for structured output (a grammar row
+        decodes without drafts: its mask is defined for one position at a time)."""
+        if seq.num_uncomputed != 1 or seq.grammar is not None or not seq.draft_gate.open(self.num_steps):
+            return 0
+        room = min(seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
+        return max(0, min(self.num_speculative_tokens, budget - 1, room))
+
+    def rollback(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """After verification: the accepted drafts' KV counts as computed; blocks holding only rejected
+        draft slots go back to the pool at once (the partly rejected last block is overwritten later)."""
+        seq.draft_gate.update(self.num_steps, num_drafts, num_accepted)
+        seq.num_computed_tokens += num_accepted
+        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
+        self.kv.truncate(seq.seq_id, self.kv.blocks_for(seq.num_computed_tokens))
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -198,6 +276,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.num_draft_computed = 0
         seq.num_published_blocks = 0
         seq.status = SeqStatus.WAITING
         seq.request.metrics.num_preemptions += 1
@@ -251,14 +330,21 @@ class Scheduler:
 
     # --- the policy ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         self.running.sort(key=Sequence.arrival_key)
         i = 0
+        speculate = self.num_speculative_tokens > 0 and (
+            self.disable_by_batch_size is None or len(self.running) <= self.disable_by_batch_size)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed, budget)
-            copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            drafts = self._num_drafts(seq, budget) if speculate else 0
+            copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new + drafts)
+            if copies is None and drafts:  # no room for the drafts: decode plainly rather than preempt
+                drafts = 0
+                copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             while copies is None:
                 victim = self.running[-1]  # most recent arrival, not scheduled yet (index >= i)
                 self._preempt(victim)
@@ -268,9 +354,9 @@ class Scheduler:
                 copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             if copies is None:
                 break
-            out.scheduled.append(ScheduledSeq(seq, num_new))
+            out.scheduled.append(ScheduledSeq(seq, num_new + drafts, max_drafts=drafts))
             out.copies.extend(copies)
-            budget -= num_new
+            budget -= num_new + drafts
             i += 1
 
         if out.preempted:

@@ -89,16 +89,19 @@ def num_blocks_for(budgets: list[int], bytes_per_block: int) -> tuple[int, int]:
     return budgets[smallest] // bytes_per_block, smallest
 
 
-def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = None) -> tuple[ModelRunner, int]:
+def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = None,
+                 extra_kv_bytes_per_token: int = 0) -> tuple[ModelRunner, int]:
     """Agree on the pool size over the ranks and allocate this rank's KV shard.
 
-    Returns (ModelRunner, num_blocks). Raises ValueError on every rank when one block does not fit.
+    ``extra_kv_bytes_per_token``: KV bytes per token kept elsewhere under the same block ids (a
+    speculative draft model's own cache), so that the budget holds both. Returns (ModelRunner, num_blocks). Raises ValueError on every rank when one block does not fit.
     """
     mc, bs = model.config, config.block_size
     dtype = config.resolved_dtype()
     kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, dtype)
     device = device or (str(tp.device) if tp.is_parallel else config.resolved_device())
     per_token = kv_bytes_per_token(mc.num_hidden_layers, model.shard.num_kv_heads, mc.head_dim, kv_dtype)
+    per_token += extra_kv_bytes_per_token
     if torch.device(device).type == "cuda" and config.kv_cache_memory_bytes is None:
         budget = cuda_kv_budget(config, model, bs, torch.device(device), dtype, kv_dtype)
     else:

@@ -72,6 +72,7 @@ class StepInputs:
         copies: copy-on-write block copies (src, dst) to apply before the step.
         logit_rows: rows whose logits are computed with the step (tensor parallelism: the sampling
             rows, so that a decode step needs no second broadcast).
+        num_layers: run only the first L decoder layers (the layer_skip drafter's pass); None: all.
     """
 
     input_ids: list[int]
@@ -81,6 +82,18 @@ class StepInputs:
     prefills: list[tuple[int, int, int, list[int]]]
     copies: list[tuple[int, int]] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
+    num_layers: int | None = None
+
+
+@dataclass
+class TokenSpan:
+    """Tokens of one sequence to compute in a step: ``token_ids`` at positions [start, start + len),
+    their KV slots addressed through ``block_table`` (a span longer than one token attends causally to
+    its cached prefix: a prefill chunk, or a decode followed by its draft tokens)."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
 
 
 class ModelRunner:
@@ -141,25 +154,28 @@ class ModelRunner:
             groups.append((start, len(ctx_lens) - start))
         return groups
 
-    def prepare(self, scheduled: list[ScheduledSeq], block_tables: dict[str, list[int]],
-                copies: list[tuple[int, int]] = ()) -> tuple[StepInputs, list[int], list[tuple[int, int]]]:
-        """Lay out one step's tokens (pure Python: decodes first, sorted by context length, then the
-        prefill chunks). Returns (inputs, last_row, chunk_rows) indexed like ``scheduled``."""
+    def prepare(self, spans: list[TokenSpan], copies: list[tuple[int, int]] = (),
+                sample_spans: list[int] = (), num_layers: int | None = None
+                ) -> tuple[StepInputs, list[int], list[tuple[int, int]]]:
+        """Lay out one step's token spans (pure Python: 1-token spans — decodes — first, sorted by
+        context length, then the longer spans: prefill chunks and decodes with draft tokens).
+
+        ``sample_spans``: indices of the spans whose last row is sampled (their logits are computed with
+        the step under tensor parallelism). Returns (inputs, last_row, chunk_rows) indexed like ``spans``.
+        """
         bs = self.block_size
-        dec = sorted((i for i, s in enumerate(scheduled) if s.num_new == 1),
-                     key=lambda i: scheduled[i].seq.num_computed_tokens)
-        pre = [i for i, s in enumerate(scheduled) if s.num_new > 1]
+        dec = sorted((i for i, s in enumerate(spans) if len(s.token_ids) == 1), key=lambda i: spans[i].start)
+        pre = [i for i, s in enumerate(spans) if len(s.token_ids) > 1]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        last_row = [0] * len(scheduled)
-        chunk_rows = [(0, 0)] * len(scheduled)
+        last_row = [0] * len(spans)
+        chunk_rows = [(0, 0)] * len(spans)
         ctx_lens = []
         for row, i in enumerate(dec):
-            s = scheduled[i].seq
-            p = s.num_computed_tokens
-            bt = block_tables[s.seq_id]
-            ids.append(s.token_ids[p])
+            sp = spans[i]
+            p, bt = sp.start, sp.block_table
+            ids.append(sp.token_ids[0])
             pos.append(p)
             slots.append(bt[p // bs] * bs + p % bs)
             ctx_lens.append(p + 1)
@@ -170,22 +186,21 @@ class ModelRunner:
             mb = -(-ctx_lens[start + count - 1] // bs)
             tables = []
             for i in dec[start : start + count]:
-                bt = block_tables[scheduled[i].seq.seq_id][:mb]
+                bt = list(spans[i].block_table[:mb])
                 tables.append(bt + [bt[0]] * (mb - len(bt)))
             groups.append((start, count, tables, ctx_lens[start : start + count]))
         prefills = []
         q_start = len(ids)
         for i in pre:
-            s, n = scheduled[i].seq, scheduled[i].num_new
-            p0 = s.num_computed_tokens
-            ctx = p0 + n
-            ids.extend(s.token_ids[p0:ctx])
-            prefills.append((q_start, n, ctx, block_tables[s.seq_id][: -(-ctx // bs)]))
+            sp = spans[i]
+            n, ctx = len(sp.token_ids), sp.start + len(sp.token_ids)
+            ids.extend(sp.token_ids)
+            prefills.append((q_start, n, ctx, list(sp.block_table[: -(-ctx // bs)])))
             last_row[i] = q_start + n - 1
             chunk_rows[i] = (q_start, n)
             q_start += n
-        inputs = StepInputs(ids, pos, slots, groups, prefills, list(copies),
-                            [last_row[i] for i, s in enumerate(scheduled) if s.samples] if self.tp.is_parallel else [])
+        logit_rows = [last_row[i] for i in sample_spans] if self.tp.is_parallel else []
+        inputs = StepInputs(ids, pos, slots, groups, prefills, list(copies), logit_rows, num_layers)
         return inputs, last_row, chunk_rows
 
     @torch.inference_mode()
@@ -220,7 +235,11 @@ class ModelRunner:
         slot_mapping = torch.cat([torch.tensor(inputs.dec_slots, dtype=torch.long, device=dev)] + pre_slots)
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=n_dec, decode_groups=groups,
                                  prefills=prefills, kv_calibrate=self._kv_calibration_pending)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        if inputs.num_layers is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend,
+                                num_layers=inputs.num_layers)
         if self._kv_calibration_pending:
             self._log_kv_calibration()
         self.last_hidden = hidden
@@ -241,14 +260,27 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledSeq], block_tables: dict[str, list[int]],
                 copies: list[tuple[int, int]] = ()) -> StepBatch:
         """Run the model on one step's tokens (K/V written to the cache as a side effect), after the
-        copy-on-write ``copies`` (src, dst). With tensor parallelism rank 0 broadcasts the step's
+        copy-on-write ``copies`` (src, dst). A sequence's tokens are its uncomputed ones followed by its
+        draft tokens (speculative decoding). With tensor parallelism rank 0 broadcasts the step's
         inputs once (``self.tp.broadcast_object``) and every rank runs it."""
-        inputs, last_row, chunk_rows = self.prepare(scheduled, block_tables, copies)
+        spans = [TokenSpan(s.input_ids(), s.seq.num_computed_tokens, block_tables[s.seq.seq_id]) for s in scheduled]
+        inputs, last_row, chunk_rows = self.prepare(spans, copies, [i for i, s in enumerate(scheduled) if s.samples])
         if self.tp.is_parallel:
             self.tp.broadcast_object(("step", inputs))
         hidden = self.run(inputs)
         logits_at = {r: k for k, r in enumerate(inputs.logit_rows)}
         return StepBatch(hidden, last_row, chunk_rows, self.step_logits, logits_at)
+
+    @torch.inference_mode()
+    def run_spans(self, spans: list[TokenSpan], num_layers: int | None = None) -> StepBatch:
+        """A drafter's pass over token spans on this process only (speculative decoding is refused with
+        tensor parallelism). ``num_layers`` runs only the first L layers (+ final norm), reading and
+        writing only those layers' KV — the layer_skip drafter's pass."""
+        if self.tp.is_parallel:
+            raise RuntimeError("draft passes run on one process: speculative decoding with tensor parallelism "
+                               "is refused (unsupported.py)")
+        inputs, last_row, chunk_rows = self.prepare(spans, num_layers=num_layers)
+        return StepBatch(self.run(inputs), last_row, chunk_rows)
 
     @torch.inference_mode()
     def compute_logits(self, batch: StepBatch | torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:

@@ -137,17 +137,23 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
         meta: AttentionMetadata,
         backend: AttentionBackend,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: [T] int64. kv_caches[i] = (K, V, kv_scales) of layer i, K and V each
         [num_blocks, block_size, num_kv_heads, head_dim], kv_scales None or float32 [2] for an FP8
-        cache. Returns hidden states [T, hidden]."""
+        cache. Returns hidden states [T, hidden].
+
+        ``num_layers`` = L runs only the first L decoder layers, then the final norm (early exit, as
+        LayerSkip / Draft&Verify self-speculation drafts: Elhoushi et al. 2024, Zhang et al. 2023);
+        only layers < L read and write their KV cache. None runs every layer."""
         h = self.embed_tokens(input_ids)
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
-        for layer, kv in zip(self.layers, kv_caches):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, kv in zip(layers, kv_caches):
             h = layer(h, cos, sin, kv, meta, backend)
         return self.norm(h)
 

@@ -59,8 +59,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits
 
 
-def _filter_random_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on rows that sample; returns probabilities [M, V]."""
+def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on rows that sample; returns probabilities [M, V] (rows sum to 1)."""
     dev = logits.device
     temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
     logits = logits / temps[:, None]
@@ -86,6 +86,7 @@ def _filter_random_rows(logits: torch.Tensor, params: list[SamplingParams]) -> t
     if any(mp > 0 for mp in min_ps):
         mp = torch.tensor(min_ps, device=dev, dtype=probs.dtype)
         probs = probs.masked_fill(probs < mp[:, None] * probs.max(-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)  # a distribution again (rejection sampling divides p by q)
     return probs
 
 
@@ -101,12 +102,24 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
     Returns:
         token ids (N ints) and, for rows asking for logprobs, TokenLogprobs (raw model log-probs).
     """
-    N = logits.shape[0]
     want_lp = [r.params.logprobs is not None for r in rows]
     raw_lp = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+    process_logits(logits, rows, grammar_bitmask)
+
+    tokens = logits.argmax(dim=-1)
+    rand_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if rand_idx:
+        probs = filter_probs(logits[rand_idx], [rows[i].params for i in rand_idx])
+        chosen = [sample_from(probs[j], rows[i].generator) for j, i in enumerate(rand_idx)]
+        tokens[torch.tensor(rand_idx, device=logits.device)] = torch.stack(chosen)
+    return tokens.tolist(), token_logprobs(raw_lp, tokens, rows)
+
+
+def process_logits(logits: torch.Tensor, rows: list[SampleRow], grammar_bitmask=None) -> torch.Tensor:
+    """Grammar mask, penalties and min_tokens masking, in place. logits: [N, V] float32;
+    ``grammar_bitmask``: (bitmask, rows) of the rows under a grammar, or None."""
     if grammar_bitmask is not None:
         apply_bitmask(logits, *grammar_bitmask)
-
     if any(r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
            for r in rows):
         apply_penalties(logits, rows)
@@ -118,18 +131,20 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
             logits[i, stop] = float("-inf")
             if kept is not None and not torch.isfinite(logits[i]).any():  # the grammar allows only a stop
                 logits[i, stop] = kept                                      # token: it wins
+    return logits
 
-    tokens = logits.argmax(dim=-1)
-    rand_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if rand_idx:
-        probs = _filter_random_rows(logits[rand_idx], [rows[i].params for i in rand_idx])
-        chosen = []
-        for j, i in enumerate(rand_idx):
-            q = torch.empty_like(probs[j]).exponential_(generator=rows[i].generator)
-            chosen.append((probs[j] / q).argmax())
-        tokens[torch.tensor(rand_idx, device=logits.device)] = torch.stack(chosen)
-    token_list = tokens.tolist()
 
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token id (0-dim tensor) drawn from ``probs`` [V] (unnormalised is fine) with the row's generator."""
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / q).argmax()
+
+
+def token_logprobs(raw_lp: torch.Tensor | None, tokens: torch.Tensor,
+                   rows: list[SampleRow]) -> list[TokenLogprobs | None]:
+    """Logprob, rank and top entries of each row's chosen token (rows asking for logprobs)."""
+    N = len(rows)
+    want_lp = [r.params.logprobs is not None for r in rows]
     lps: list[TokenLogprobs | None] = [None] * N
     if raw_lp is not None:
         idx = [i for i in range(N) if want_lp[i]]
@@ -147,7 +162,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
             lps[i] = TokenLogprobs(
                 chosen_lp[j], ranks[j], top_i[j][:kk] if kk else [], top_v[j][:kk] if kk else []
             )
-    return token_list, lps
+    return lps
 
 
 def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[TokenLogprobs]:

@@ -1,0 +1,181 @@
+"""Speculative decoding benchmark on the real model (issue 10): output tokens/s with and without
+speculation, side by side in one run, per method, at concurrency 1 and 8, on two workloads:
+
+- input-grounded: rewrite / repeat / edit prompts whose answers copy spans of the prompt (passages of
+  the Python reference manual from the stdlib's ``pydoc_data.topics``, present on every machine);
+- open-ended: short stories and explanations (little to copy).
+
+Greedy decoding (the outputs with and without speculation are compared token for token). For each row
+the plain and the speculative engine run alternately ``--reps`` times on the same prompts (prefix cache
+reset before each run, so both pay the same prefills); the table reports the median tokens/s of each,
+their ratio, the mean acceptance length (tokens emitted per verification, bonus token included) and the
+draft acceptance rate. JSON goes to benchmarks/results/spec_decode.json.
+
+    python benchmarks/spec_decode.py                   # every method, 3 reps, 64 output tokens
+    python benchmarks/spec_decode.py --quick           # 1 rep, 32 output tokens
+    python benchmarks/spec_decode.py --methods ngram --reps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+OPEN = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "Explain why the sky is blue to a ten-year-old.", "Describe your ideal weekend in the mountains.",
+        "Write a poem about autumn leaves.", "What are three tips for learning a new language?",
+        "Tell me about the history of the bicycle.", "Write a letter to a friend you have not seen in years.",
+        "Describe how bread is made, step by step."]
+GROUNDED = ["Repeat the following text exactly, word for word:\n\n{}",
+            "Copy this paragraph verbatim:\n\n{}",
+            "Rewrite the following text, keeping every sentence unchanged:\n\n{}",
+            "Here is a passage. Write it out again exactly as it is.\n\n{}"]
+
+# disable_by_batch_size 4: on this CPU a forward pass costs about linearly in its tokens beyond a couple of
+# rows (compute-bound), so verifying 1 + k tokens for 8 sequences costs more than the accepted drafts save
+B = 4
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+              "disable_by_batch_size": B},
+    "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "num_draft_layers": 24,
+                   "disable_by_batch_size": B},
+    "draft_model(self)": {"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 3,
+                          "disable_by_batch_size": B},
+    "draft_model(random)": {"method": "draft_model", "model": "RANDOM", "num_speculative_tokens": 3,
+                            "disable_by_batch_size": B},
+}
+
+
+def passages(n: int) -> list[str]:
+    from pydoc_data.topics import topics
+
+    out = []
+    for key in sorted(topics):
+        text = " ".join(topics[key].split())
+        if len(text) > 600:
+            cut = text[:420]
+            out.append(cut[: cut.rfind(".") + 1] or cut)
+        if len(out) == n:
+            return out
+    return out
+
+
+def workloads() -> dict[str, list[str]]:
+    ps = passages(8)
+    return {"input-grounded": [CHAT.format(GROUNDED[i % 4].format(p)) for i, p in enumerate(ps)],
+            "open-ended": [CHAT.format(q) for q in OPEN]}
+
+
+def random_draft_dir(path: str) -> str:
+    """A random-weight 2-layer Llama with SmolLM2's vocabulary and tokenizer files (a draft that rarely agrees)."""
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from kvfleet_server.config import bundled_model_path
+
+    gguf = bundled_model_path()
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    AutoTokenizer.from_pretrained(os.path.dirname(gguf), gguf_file=os.path.basename(gguf)).save_pretrained(path)
+    return path
+
+
+def run(eng, prompts: list[str], concurrency: int, max_tokens: int, tag: str):
+    """All prompts, ``concurrency`` at a time. Returns (tokens/s, outputs, drafts, draft tokens, accepted)."""
+    from kvfleet_server import SamplingParams
+
+    eng.kv.pool.reset_prefix_cache()
+    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    outs, queue = {}, list(enumerate(prompts))
+    drafts = draft_toks = accepted = tokens = 0
+    t0 = time.perf_counter()
+    live = 0
+    while queue or eng.has_unfinished():
+        while queue and live < concurrency:
+            i, prompt = queue.pop(0)
+            eng.add_request(f"{tag}-{i}", prompt, p)
+            live += 1
+        for o in eng.step():
+            if o.finished:
+                outs[int(o.request_id.rsplit("-", 1)[1])] = o.outputs[0].token_ids
+                tokens += len(o.outputs[0].token_ids)
+                live -= 1
+        it = eng.last_iteration
+        drafts += it.num_drafts
+        draft_toks += it.num_draft_tokens
+        accepted += it.num_accepted_tokens
+    return tokens / (time.perf_counter() - t0), [outs[i] for i in range(len(prompts))], drafts, draft_toks, accepted
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--num-prompts-c1", type=int, default=3, help="prompts run one at a time at concurrency 1")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                  "spec_decode.json"))
+    args = ap.parse_args()
+    if args.quick:
+        args.reps, args.max_tokens = 1, 32
+    torch.set_num_threads(args.threads)
+    from kvfleet_server import EngineConfig, LLMEngine
+
+    base_kw = dict(dtype="float32", device="cpu", num_threads=args.threads, max_model_len=1024)
+    plain = LLMEngine(EngineConfig(**base_kw))
+    wl = workloads()
+    rows = []
+    print(f"{'method':<20} {'workload':<15} {'conc':>4} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
+          f"{'accept len':>10} {'accept %':>8} {'same':>5}")
+    for name in args.methods:
+        spec = dict(METHODS[name])
+        if spec.get("model") == "RANDOM":
+            spec["model"] = random_draft_dir(os.path.join(os.path.dirname(args.out), ".random_draft"))
+        eng = LLMEngine(EngineConfig(**base_kw, speculative_config=spec))
+        for wname, prompts in wl.items():
+            for conc in args.concurrency:
+                ps = prompts[: args.num_prompts_c1] if conc == 1 else prompts[:conc]
+                a_rates, b_rates, same, stats = [], [], True, [0, 0, 0]
+                for r in range(args.reps):
+                    a, a_out, *_ = run(plain, ps, conc, args.max_tokens, f"p{r}")
+                    b, b_out, d, dt, acc = run(eng, ps, conc, args.max_tokens, f"s{r}")
+                    a_rates.append(a)
+                    b_rates.append(b)
+                    same &= a_out == b_out
+                    stats = [stats[0] + d, stats[1] + dt, stats[2] + acc]
+                pa, pb = statistics.median(a_rates), statistics.median(b_rates)
+                row = dict(method=name, speculative_config=METHODS[name], workload=wname, concurrency=conc,
+                           plain_tok_s=round(pa, 2), spec_tok_s=round(pb, 2), ratio=round(pb / pa, 3),
+                           mean_acceptance_length=round(1 + stats[2] / stats[0], 3) if stats[0] else None,
+                           draft_acceptance_rate=round(stats[2] / stats[1], 3) if stats[1] else None,
+                           identical_outputs=same, plain_runs=[round(x, 2) for x in a_rates],
+                           spec_runs=[round(x, 2) for x in b_rates])
+                rows.append(row)
+                al = f"{row['mean_acceptance_length']:.2f}" if stats[0] else "-"
+                ar = f"{100 * row['draft_acceptance_rate']:.0f}" if stats[1] else "-"
+                print(f"{name:<20} {wname:<15} {conc:>4} {pa:>11.2f} {pb:>10.2f} {pb / pa:>6.2f} {al:>10} {ar:>8} "
+                      f"{str(same):>5}", flush=True)
+        del eng
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(command=" ".join(["python"] + sys.argv), reps=args.reps, max_tokens=args.max_tokens,
+                       threads=args.threads, rows=rows), f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
