@@ -24,7 +24,8 @@ def cond(obj: dict | None, type_: str) -> dict:
 
 
 async def test_a_sample_the_server_would_refuse_is_degraded_and_creates_nothing(api, emulator):
-    obj = sample("llama-3.1-8b-instruct-eagle3.yaml")  # speculative decoding: not built yet
+    obj = sample("llama-3.1-8b-instruct-draft.yaml")
+    obj["spec"]["engine"]["tensorParallelSize"] = 2  # speculative decoding with tensor parallelism: refused
     name = obj["metadata"]["name"]
     async with running_operator():
         await api.create(AV, PL, "default", obj)
@@ -36,6 +37,7 @@ async def test_a_sample_the_server_would_refuse_is_degraded_and_creates_nothing(
         c = cond(live, "Degraded")
         assert c["reason"] == "UnsupportedFeature"
         assert c["message"].startswith("spec.engine.speculative: ") and "not supported yet" in c["message"]
+        assert "--tensor-parallel-size > 1" in c["message"]
         assert await api.get("apps/v1", "deployments", "default", name) is None
 
 

@@ -164,3 +164,30 @@ def test_jump_forward_outputs_valid_with_fewer_forward_passes(compact_engine):
     print(f"\njump-forward: forward passes {sum(passes_off.values())} -> {sum(passes_on.values())}, "
           f"{j_on} tokens jumped, {same}/{len(idx)} greedy outputs equal to the run without it", file=sys.stderr)
     assert_all_blocks_free(compact_engine)
+
+
+def test_speculative_engine_decodes_grammar_rows_without_drafts():
+    # n-gram speculation on: a schema-constrained request decodes one token per step (its mask is per
+    # position) while a plain request in the same batch verifies drafts; the JSON is still valid
+    eng = _engine(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                                      "prompt_lookup_max": 3})
+    schema = _add(eng, "json", 0)
+    text = "Repeat exactly: the quick brown fox jumps over the lazy dog. " * 3
+    eng.add_request("plain", _prompt(eng, text), SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+                    add_special_tokens=False)
+    drafted: dict[str, int] = {"json": 0, "plain": 0}
+    schedule = eng.scheduler.schedule
+
+    def spy():
+        out = schedule()
+        for s in out.scheduled:
+            drafted[s.seq.request.request_id] += s.max_drafts
+        return out
+
+    eng.scheduler.schedule = spy
+    accepted = []
+    finals = run_to_completion(eng, on_step=lambda e: accepted.append(e.last_iteration.num_accepted_tokens))
+    accepted = sum(accepted)
+    _check(finals["json"], schema)
+    assert drafted["json"] == 0 and drafted["plain"] > 0 and accepted > 0
+    assert_all_blocks_free(eng)
