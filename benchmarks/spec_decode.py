@@ -8,7 +8,8 @@ speculation, side by side in one run, per method, at concurrency 1 and 8, on two
 Greedy decoding (the outputs with and without speculation are compared token for token). For each row
 the plain and the speculative engine run alternately ``--reps`` times on the same prompts (prefix cache
 reset before each run, so both pay the same prefills); the table reports the median tokens/s of each,
-their ratio, the mean acceptance length (tokens emitted per verification, bonus token included) and the
+their ratio (and the ratio of decode-only tokens/s: steps that computed no prompt token), the mean
+acceptance length (tokens emitted per verification, bonus token included) and the
 draft acceptance rate. JSON goes to benchmarks/results/spec_decode.json.
 
     python benchmarks/spec_decode.py                   # every method, 3 reps, 64 output tokens
@@ -92,13 +93,16 @@ def random_draft_dir(path: str) -> str:
 
 
 def run(eng, prompts: list[str], concurrency: int, max_tokens: int, tag: str):
-    """All prompts, ``concurrency`` at a time. Returns (tokens/s, outputs, drafts, draft tokens, accepted)."""
+    """All prompts, ``concurrency`` at a time. Returns (tokens/s, decode tokens/s, outputs, drafts, draft
+    tokens, accepted); decode tokens/s counts only the steps that computed no prompt token (the prefills
+    are the same work with and without speculation)."""
     from kvfleet_server import SamplingParams
 
     eng.kv.pool.reset_prefix_cache()
     p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs, queue = {}, list(enumerate(prompts))
     drafts = draft_toks = accepted = tokens = 0
+    dec_tokens, dec_time = 0, 0.0
     t0 = time.perf_counter()
     live = 0
     while queue or eng.has_unfinished():
@@ -106,16 +110,21 @@ def run(eng, prompts: list[str], concurrency: int, max_tokens: int, tag: str):
             i, prompt = queue.pop(0)
             eng.add_request(f"{tag}-{i}", prompt, p)
             live += 1
+        ts = time.perf_counter()
         for o in eng.step():
             if o.finished:
                 outs[int(o.request_id.rsplit("-", 1)[1])] = o.outputs[0].token_ids
                 tokens += len(o.outputs[0].token_ids)
                 live -= 1
         it = eng.last_iteration
+        if not it.num_prompt_tokens:
+            dec_tokens += it.num_generation_tokens
+            dec_time += time.perf_counter() - ts
         drafts += it.num_drafts
         draft_toks += it.num_draft_tokens
         accepted += it.num_accepted_tokens
-    return tokens / (time.perf_counter() - t0), [outs[i] for i in range(len(prompts))], drafts, draft_toks, accepted
+    return (tokens / (time.perf_counter() - t0), dec_tokens / dec_time if dec_time else 0.0,
+            [outs[i] for i in range(len(prompts))], drafts, draft_toks, accepted)
 
 
 def main() -> None:
@@ -127,6 +136,9 @@ def main() -> None:
     ap.add_argument("--num-prompts-c1", type=int, default=3, help="prompts run one at a time at concurrency 1")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--break-even-floor", action="store_true",
+                    help="pin every method's acceptance cut-off at the 0.3 floor (no cost model): what a method's "
+                         "drafts do when they are verified, not whether they pay")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "spec_decode.json"))
     args = ap.parse_args()
@@ -135,12 +147,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from kvfleet_server import EngineConfig, LLMEngine
 
+    if args.break_even_floor:
+        import kvfleet_server.spec_decode.proposer as proposer
+
+        proposer.break_even_acceptance = lambda cost, device: 0.0
+
     base_kw = dict(dtype="float32", device="cpu", num_threads=args.threads, max_model_len=1024)
     plain = LLMEngine(EngineConfig(**base_kw))
     wl = workloads()
     rows = []
     print(f"{'method':<20} {'workload':<15} {'conc':>4} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
-          f"{'accept len':>10} {'accept %':>8} {'same':>5}")
+          f"{'decode ratio':>12} {'accept len':>10} {'accept %':>8} {'same':>5}")
     for name in args.methods:
         spec = dict(METHODS[name])
         if spec.get("model") == "RANDOM":
@@ -149,17 +166,22 @@ def main() -> None:
         for wname, prompts in wl.items():
             for conc in args.concurrency:
                 ps = prompts[: args.num_prompts_c1] if conc == 1 else prompts[:conc]
-                a_rates, b_rates, same, stats = [], [], True, [0, 0, 0]
+                a_rates, b_rates, a_dec, b_dec, same, stats = [], [], [], [], True, [0, 0, 0]
                 for r in range(args.reps):
-                    a, a_out, *_ = run(plain, ps, conc, args.max_tokens, f"p{r}")
-                    b, b_out, d, dt, acc = run(eng, ps, conc, args.max_tokens, f"s{r}")
+                    a, ad, a_out, *_ = run(plain, ps, conc, args.max_tokens, f"p{r}")
+                    b, bd, b_out, d, dt, acc = run(eng, ps, conc, args.max_tokens, f"s{r}")
                     a_rates.append(a)
                     b_rates.append(b)
+                    a_dec.append(ad)
+                    b_dec.append(bd)
                     same &= a_out == b_out
                     stats = [stats[0] + d, stats[1] + dt, stats[2] + acc]
                 pa, pb = statistics.median(a_rates), statistics.median(b_rates)
+                da, db = statistics.median(a_dec), statistics.median(b_dec)
                 row = dict(method=name, speculative_config=METHODS[name], workload=wname, concurrency=conc,
                            plain_tok_s=round(pa, 2), spec_tok_s=round(pb, 2), ratio=round(pb / pa, 3),
+                           plain_decode_tok_s=round(da, 2), spec_decode_tok_s=round(db, 2),
+                           decode_ratio=round(db / da, 3) if da else None,
                            mean_acceptance_length=round(1 + stats[2] / stats[0], 3) if stats[0] else None,
                            draft_acceptance_rate=round(stats[2] / stats[1], 3) if stats[1] else None,
                            identical_outputs=same, plain_runs=[round(x, 2) for x in a_rates],
@@ -167,12 +189,14 @@ def main() -> None:
                 rows.append(row)
                 al = f"{row['mean_acceptance_length']:.2f}" if stats[0] else "-"
                 ar = f"{100 * row['draft_acceptance_rate']:.0f}" if stats[1] else "-"
-                print(f"{name:<20} {wname:<15} {conc:>4} {pa:>11.2f} {pb:>10.2f} {pb / pa:>6.2f} {al:>10} {ar:>8} "
+                print(f"{name:<20} {wname:<15} {conc:>4} {pa:>11.2f} {pb:>10.2f} {pb / pa:>6.2f} "
+                      f"{db / da if da else 0:>12.2f} {al:>10} {ar:>8} "
                       f"{str(same):>5}", flush=True)
         del eng
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(command=" ".join(["python"] + sys.argv), reps=args.reps, max_tokens=args.max_tokens,
+                       break_even_floor=args.break_even_floor,
                        threads=args.threads, rows=rows), f, indent=1)
     print(f"wrote {args.out}")
 

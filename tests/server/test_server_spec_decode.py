@@ -11,7 +11,8 @@ from server_fixtures import scrape, start_server
 
 ARGS = ["--max-model-len", "512", "--kv-cache-memory-bytes", "2000000", "--max-num-seqs", "8",
         "--served-model-name", "tiny", "--shutdown-timeout", "10",
-        "--speculative-config", '{"method":"layer_skip","num_draft_layers":1,"num_speculative_tokens":3}']
+        "--speculative-config",  # min_acceptance 0: always draft (on the tiny model a draft costs about a full step)
+        '{"method":"layer_skip","num_draft_layers":1,"num_speculative_tokens":3,"min_acceptance":0}']
 
 
 def test_speculative_server_end_to_end(tiny_llama_dir, tmp_path):

@@ -16,6 +16,8 @@ from kvfleet_server.metrics import ServerMetrics
 from engine_helpers import assert_all_blocks_free, assert_pool_consistent, run_to_completion
 from spec_helpers import SpecStepChecker
 
+pytestmark = pytest.mark.usefixtures("spec_break_even_floor")
+
 BS = 4
 PER_BLOCK = BS * 2 * 2 * 2 * 16 * 4  # tokens × (K, V) × layers × kv heads × head_dim × fp32
 

@@ -16,7 +16,7 @@ from kvfleet_server import EngineConfig, LLMEngine, SamplingParams
 from engine_helpers import assert_all_blocks_free, run_to_completion
 from spec_helpers import SpecStepChecker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("spec_break_even_floor")]
 
 BLOCK = 16
 KV_PER_TOKEN = 30 * 3 * 64 * 2 * 4  # SmolLM2: layers × kv heads × head_dim × (K, V) × fp32

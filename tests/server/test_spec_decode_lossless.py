@@ -88,7 +88,8 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def _sample(target_dir, spec, params_kw):
     eng = LLMEngine(EngineConfig(model=target_dir, dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20,
                                  max_num_seqs=N_PER_REQUEST * 2, seed=7,
-                                 speculative_config={**spec, "num_speculative_tokens": 3}))
+                                 speculative_config={**spec, "num_speculative_tokens": 3,
+                                                     "min_acceptance": 0}))  # always speculate
     counts12 = torch.zeros(V, V, dtype=torch.long)
     counts3 = torch.zeros(V, dtype=torch.long)
     drafted = accepted = 0

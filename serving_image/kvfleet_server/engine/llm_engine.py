@@ -36,7 +36,7 @@ from ..sample.jump_forward import plan_jump_forward
 from ..sample.rejection import VerifySpan, verify
 from ..sample.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
 from ..sampling_params import SamplingParams
-from .scheduler import Request, ScheduledSeq, Scheduler, Sequence, SeqStatus
+from .scheduler import DraftGate, Request, ScheduledSeq, Scheduler, Sequence, SeqStatus
 from ..stats import IterationStats, SchedulerStats
 from ..model.tokenizer import Tokenizer
 from ..spec_decode import build_proposer
@@ -148,11 +148,21 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(self.num_blocks, bs)
         sc = self.spec_config
+        spec_kw = {}
+        if sc is not None:
+            from ..spec_decode.proposer import break_even_acceptance
+
+            be = break_even_acceptance(self.proposer.draft_cost, self.device)
+            cut = max(DraftGate.MIN_ACCEPTANCE, be) if sc.min_acceptance is None else sc.min_acceptance
+            logger.info("speculative decoding: %s, %d tokens; a draft costs %.2f of a decode step, break-even "
+                        "acceptance %.2f, cut-off %.2f%s", sc.method, sc.num_speculative_tokens,
+                        self.proposer.draft_cost, be, cut,
+                        " (no acceptance rate pays on this device: one-draft probes every 256 steps)"
+                        if cut >= 1 else "")
+            spec_kw = dict(num_speculative_tokens=sc.num_speculative_tokens,
+                           disable_by_batch_size=sc.disable_by_batch_size, spec_min_acceptance=cut)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_prefix_caching,
-                                   num_speculative_tokens=sc.num_speculative_tokens if sc else 0,
-                                   disable_by_batch_size=sc.disable_by_batch_size if sc else None,
-                                   max_model_len=max_len)
+                                   config.enable_prefix_caching, max_model_len=max_len, **spec_kw)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._rng = torch.Generator().manual_seed(config.seed)

@@ -70,7 +70,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_published_blocks = 0
         self.num_draft_computed = 0  # leading positions whose draft-model KV is in the cache
-        self.draft_gate = DraftGate()
+        self.draft_gate: DraftGate | None = None  # set when the scheduler first admits the sequence
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -105,32 +105,50 @@ class Sequence:
 class DraftGate:
     """Acceptance-based cut-off of speculation for one sequence (speculative decoding).
 
-    Tracks an exponential moving average of the fraction of drafts accepted. When it falls below
-    ``MIN_ACCEPTANCE`` the sequence decodes without drafts for a back-off number of steps (8, doubling after
-    every failed probe up to 256), then probes again: a sequence whose text the proposer cannot predict
-    costs almost nothing after a few steps, one that starts quoting its prompt is picked up again. The
-    output distribution does not depend on when drafts are used (verification is lossless either way).
+    Speculating pays when the fraction a of drafts accepted beats the break-even rate
+    ``min_acceptance`` = draft_cost + verify_cost: a step with k drafts emits 1 + a·k tokens for about
+    1 + k·(draft_cost + verify_cost) decode steps' worth of time (proposing a draft, and one more row
+    in the target's pass, each relative to a decode step; ``Proposer.draft_cost``, ``VERIFY_COST``).
+    The gate tracks an exponential moving average of a; when it falls below ``min_acceptance`` (the
+    engine passes the break-even, at least ``MIN_ACCEPTANCE``, or speculative_config.min_acceptance;
+    0 never cuts off) the sequence decodes without drafts for a back-off (8 steps, doubling
+    after every failed probe up to 256), then probes with a single draft (a new sequence starts with a
+    probe too while the acceptance over all sequences is below the break-even). When the break-even is
+    ≥ 1 no acceptance rate can pay (a draft as costly as the target): a sequence then drafts only on a
+    one-draft probe every 256 steps. A sequence the proposer cannot predict costs almost nothing after
+    a few steps, one that starts quoting its prompt is picked up again. The output distribution does not
+    depend on when drafts are used (verification is lossless either way).
     """
 
     MIN_ACCEPTANCE = 0.3
     FIRST_BACKOFF, MAX_BACKOFF = 8, 256
 
-    def __init__(self):
-        self.ema = self.MIN_ACCEPTANCE  # a first verification that accepts little already cuts off
-        self.backoff = self.FIRST_BACKOFF
-        self.resume_step = 0
+    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, probing: bool = False, step: int = 0):
+        self.min_acceptance = min_acceptance
+        hopeless = self.min_acceptance >= 1.0  # no acceptance rate can pay: probe only every MAX_BACKOFF steps
+        self.first_backoff = self.MAX_BACKOFF if hopeless else self.FIRST_BACKOFF
+        self.ema = self.min_acceptance  # a first verification that accepts little already cuts off
+        self.backoff = self.first_backoff
+        self.resume_step = step + self.MAX_BACKOFF if hopeless else 0
+        self.probing = probing or hopeless  # the next verification checks a single draft
 
     def open(self, step: int) -> bool:
         return step >= self.resume_step
 
+    def num_drafts(self, k: int) -> int:
+        """Drafts to verify when open: 1 for a probe, else k."""
+        return min(k, 1) if self.probing else k
+
     def update(self, step: int, num_drafts: int, num_accepted: int) -> None:
         self.ema = 0.5 * self.ema + 0.5 * num_accepted / num_drafts
-        if self.ema >= self.MIN_ACCEPTANCE:
-            self.backoff = self.FIRST_BACKOFF
+        if self.ema >= self.min_acceptance:
+            self.backoff = self.first_backoff
+            self.probing = False
             return
         self.resume_step = step + self.backoff
         self.backoff = min(2 * self.backoff, self.MAX_BACKOFF)
-        self.ema = self.MIN_ACCEPTANCE  # the probe after the back-off decides alone
+        self.ema = self.min_acceptance  # the probe after the back-off decides alone
+        self.probing = True
 
 
 _req_counter = itertools.count()
@@ -214,7 +232,7 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool, partial_block_matching: bool = True,
                  num_speculative_tokens: int = 0, disable_by_batch_size: int | None = None,
-                 max_model_len: int = 1 << 62):
+                 max_model_len: int = 1 << 62, spec_min_acceptance: float = DraftGate.MIN_ACCEPTANCE):
         self.kv = kv
         self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
@@ -227,17 +245,23 @@ class Scheduler:
         # speculative decoding: each decoding sequence reserves slots for up to k draft tokens
         self.num_speculative_tokens = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
+        self.spec_min_acceptance = spec_min_acceptance  # the cut-off (DraftGate)
+        # acceptance rate over every sequence's verifications: a new sequence starts with a one-draft
+        # probe while it is below the break-even
+        self.spec_acceptance_ema: float | None = None
         self.max_model_len = max_model_len
         self.num_steps = 0
 
     # --- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        self._gate(seq)
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked child joins the running set directly (its blocks are shared with its parent)."""
         seq.status = SeqStatus.RUNNING
+        self._gate(seq)
         bisect.insort(self.running, seq, key=Sequence.arrival_key)
 
     def remove(self, seq: Sequence) -> None:
@@ -251,6 +275,12 @@ class Scheduler:
                 pass
         self.kv.free(seq.seq_id)
 
+    def _gate(self, seq: Sequence) -> None:
+        if seq.draft_gate is None:
+            ema = 1.0 if self.spec_acceptance_ema is None else self.spec_acceptance_ema
+            seq.draft_gate = DraftGate(self.spec_min_acceptance, probing=ema < self.spec_min_acceptance,
+                                       step=self.num_steps)
+
     def _num_drafts(self, seq: Sequence, budget: int) -> int:
         """Draft tokens a decoding sequence may verify this step: k, fewer when the token budget, its
         max_tokens or max_model_len leave less room (every accepted draft plus the bonus token must
@@ -259,12 +289,14 @@ class Scheduler:
         if seq.num_uncomputed != 1 or seq.grammar is not None or not seq.draft_gate.open(self.num_steps):
             return 0
         room = min(seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
-        return max(0, min(self.num_speculative_tokens, budget - 1, room))
+        return max(0, min(seq.draft_gate.num_drafts(self.num_speculative_tokens), budget - 1, room))
 
     def rollback(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """After verification: the accepted drafts' KV counts as computed; blocks holding only rejected
         draft slots go back to the pool at once (the partly rejected last block is overwritten later)."""
         seq.draft_gate.update(self.num_steps, num_drafts, num_accepted)
+        rate, ema = num_accepted / num_drafts, self.spec_acceptance_ema
+        self.spec_acceptance_ema = rate if ema is None else 0.7 * ema + 0.3 * rate
         seq.num_computed_tokens += num_accepted
         seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
         self.kv.truncate(seq.seq_id, self.kv.blocks_for(seq.num_computed_tokens))

@@ -14,10 +14,11 @@ from ..errors import UnsupportedFeatureError
 from ..unsupported import SPECULATIVE_METHODS as SUPPORTED_METHODS
 from ..unsupported import UNBUILT_SPECULATIVE_METHODS as UNSUPPORTED_METHODS  # refused by name
 MAX_SPECULATIVE_TOKENS = 16
+_COMMON = {"method", "num_speculative_tokens", "disable_by_batch_size", "min_acceptance"}
 _KEYS = {
-    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"},
-    "draft_model": {"method", "model", "num_speculative_tokens", "disable_by_batch_size"},
-    "layer_skip": {"method", "num_draft_layers", "num_speculative_tokens", "disable_by_batch_size"},
+    "ngram": _COMMON | {"prompt_lookup_min", "prompt_lookup_max"},
+    "draft_model": _COMMON | {"model"},
+    "layer_skip": _COMMON | {"num_draft_layers"},
 }
 
 
@@ -34,6 +35,9 @@ class SpeculativeConfig:
         num_draft_layers: L, target layers the drafter runs (layer_skip; 1 <= L < num_hidden_layers,
             checked by the engine once the model is known).
         disable_by_batch_size: a step with more running sequences than this does not speculate.
+        min_acceptance: kvfleet's key (no vLLM equivalent): the acceptance rate below which a sequence
+            stops drafting for a back-off (engine/scheduler.py DraftGate), in [0, 1]; None = the break-even
+            of the method's cost on the device (at least 0.3); 0 = always speculate.
     """
 
     method: str
@@ -43,6 +47,7 @@ class SpeculativeConfig:
     model: str | None = None
     num_draft_layers: int | None = None
     disable_by_batch_size: int | None = None
+    min_acceptance: float | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
@@ -79,6 +84,11 @@ class SpeculativeConfig:
         k = integer("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS, required=True)
         cfg = dict(method=method, num_speculative_tokens=k,
                    disable_by_batch_size=integer("disable_by_batch_size", 1))
+        ma = d.get("min_acceptance")
+        if ma is not None:
+            if isinstance(ma, bool) or not isinstance(ma, (int, float)) or not 0 <= ma <= 1:
+                raise ValueError(f"speculative_config.min_acceptance must be a number in [0, 1], got {ma!r}")
+            cfg["min_acceptance"] = float(ma)
         if method == "ngram":
             lo, hi = integer("prompt_lookup_min", 1), integer("prompt_lookup_max", 1)
             if lo is None and hi is None:

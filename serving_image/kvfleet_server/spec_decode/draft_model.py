@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..executor.model_runner import ModelRunner, TokenSpan, kv_bytes_per_token
 from .drafting import draft_autoregressive
-from .proposer import DraftRequest, Drafts, Proposer
+from .proposer import DraftRequest, Drafts, Proposer, decode_read_bytes
 
 
 class DraftModelProposer(Proposer):
@@ -27,6 +27,7 @@ class DraftModelProposer(Proposer):
         self.runner: ModelRunner | None = None
 
     def bind(self, runner: ModelRunner) -> None:
+        self.draft_cost = decode_read_bytes(self.model) / decode_read_bytes(runner.model)
         self.runner = ModelRunner(self.model, runner.num_blocks, runner.block_size, self.device, self.dtype,
                                   self.backend)
 

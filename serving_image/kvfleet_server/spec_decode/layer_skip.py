@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..executor.model_runner import TokenSpan
 from .drafting import draft_autoregressive
-from .proposer import DraftRequest, Drafts, Proposer
+from .proposer import DraftRequest, Drafts, Proposer, decode_read_bytes
 
 
 class LayerSkipProposer(Proposer):
@@ -22,9 +22,11 @@ class LayerSkipProposer(Proposer):
                              f"(the target has {num_hidden_layers} layers), got {num_draft_layers}")
         self.num_draft_layers = num_draft_layers
         self.runner = None
+        self.draft_cost = 0.0  # known once bound to the target
 
     def bind(self, runner) -> None:
         self.runner = runner
+        self.draft_cost = decode_read_bytes(runner.model, self.num_draft_layers) / decode_read_bytes(runner.model)
 
     def propose(self, reqs: list[DraftRequest]) -> list[Drafts]:
         def first(r: DraftRequest) -> TokenSpan:

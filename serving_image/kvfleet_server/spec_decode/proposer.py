@@ -45,11 +45,42 @@ class Drafts:
     probs: torch.Tensor | None = None
 
 
+#: extra cost of one more token in the target's verification pass, relative to a 1-token decode step.
+#: CPU: measured on SmolLM2-135M fp32, 1 thread — a 5-token pass costs 1.87x a 1-token one (about 0.2
+#: per extra token: small-M matmuls are not free on a CPU); CUDA: a decode step is bound by reading the
+#: weights, extra rows are nearly free at small batch (vLLM/SGLang measurements put it at a few percent).
+VERIFY_COST = {"cpu": 0.2, "cuda": 0.05}
+
+
+def break_even_acceptance(draft_cost: float, device: str) -> float:
+    """Fraction of drafts that must be accepted for speculation to pay (see engine/scheduler.py DraftGate)."""
+    return draft_cost + VERIFY_COST.get(device, VERIFY_COST["cpu"])
+
+
+def decode_read_bytes(model: torch.nn.Module, num_layers: int | None = None) -> int:
+    """Weight bytes a decode step of ``model`` reads: its first ``num_layers`` decoder layers (all when
+    None), the final norm and the LM head (the tied embedding when there is no separate head)."""
+    from ..model.layers.quant import model_weight_bytes
+
+    layers = model.layers if num_layers is None else model.layers[:num_layers]
+    head = model.lm_head if model.lm_head is not None else model.embed_tokens
+    return sum(model_weight_bytes(m) for m in layers) + model_weight_bytes(model.norm) + model_weight_bytes(head)
+
+
 class Proposer(ABC):
-    """A speculative method. ``extra_kv_bytes_per_token`` is KV memory the method keeps per token in
-    the shared block pool (a draft model's own cache), so that the pool is sized for both."""
+    """A speculative method.
+
+    Attributes:
+        extra_kv_bytes_per_token: KV memory the method keeps per token in the shared block pool (a draft
+            model's own cache), so that the pool is sized for both.
+        draft_cost: cost of proposing one draft token relative to one target decode step, as weight
+            bytes read (decode is memory-bound): 0 for n-gram lookup, (first L layers + head) / (all
+            layers + head) for layer_skip, draft / target for a draft model. The acceptance cut-off
+            (engine/scheduler.py DraftGate) uses it for the break-even acceptance rate.
+    """
 
     extra_kv_bytes_per_token: int = 0
+    draft_cost: float = 0.0
 
     @abstractmethod
     def propose(self, reqs: list[DraftRequest]) -> list[Drafts]:
