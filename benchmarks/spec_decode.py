@@ -147,11 +147,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from kvfleet_server import EngineConfig, LLMEngine
 
-    if args.break_even_floor:
-        import kvfleet_server.spec_decode.proposer as proposer
-
-        proposer.break_even_acceptance = lambda cost, device: 0.0
-
     base_kw = dict(dtype="float32", device="cpu", num_threads=args.threads, max_model_len=1024)
     plain = LLMEngine(EngineConfig(**base_kw))
     wl = workloads()
@@ -160,6 +155,8 @@ def main() -> None:
           f"{'decode ratio':>12} {'accept len':>10} {'accept %':>8} {'same':>5}")
     for name in args.methods:
         spec = dict(METHODS[name])
+        if args.break_even_floor:
+            spec["min_acceptance"] = 0.3
         if spec.get("model") == "RANDOM":
             spec["model"] = random_draft_dir(os.path.join(os.path.dirname(args.out), ".random_draft"))
         eng = LLMEngine(EngineConfig(**base_kw, speculative_config=spec))

@@ -78,10 +78,11 @@ class ModelSource(_Model):
         description="Tokenizer to load instead of the model's own (passed as --tokenizer).")
 
 
-#: speculative methods kvfleet-server builds (kvfleet_server.spec_decode.config.SUPPORTED_METHODS; a test keeps
-#: them equal); "draft" is the older name of draft_model. vLLM's trained-head methods are refused by name.
-SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
-UNSUPPORTED_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa", "mtp", "mlp_speculator")
+#: speculative methods kvfleet-server builds, and vLLM's trained-head methods it refuses by name: the server's
+#: one refusal list (a test keeps the method enum below equal to SPECULATIVE_METHODS); "draft" is the older
+#: name of draft_model.
+from kvfleet_server.unsupported import SPECULATIVE_METHODS  # noqa: E402
+from kvfleet_server.unsupported import UNBUILT_SPECULATIVE_METHODS as UNSUPPORTED_SPECULATIVE_METHODS  # noqa: E402
 
 
 class SpeculativeConfig(_Model):

@@ -16,16 +16,17 @@ from kvfleet_server.metrics import ServerMetrics
 from engine_helpers import assert_all_blocks_free, assert_pool_consistent, run_to_completion
 from spec_helpers import SpecStepChecker
 
-pytestmark = pytest.mark.usefixtures("spec_break_even_floor")
-
 BS = 4
 PER_BLOCK = BS * 2 * 2 * 2 * 16 * 4  # tokens × (K, V) × layers × kv heads × head_dim × fp32
 
 
 def _spec(method: str, draft_dir: str, k: int = 3) -> dict:
-    return {"ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    # the cut-off at the 30 % floor: on the tiny model a layer_skip / draft_model draft costs about a whole
+    # decode step, so the cost-aware break-even would switch speculation off (tests/server/test_spec_decode_cutoff.py)
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
             "layer_skip": {"method": "layer_skip", "num_speculative_tokens": k, "num_draft_layers": 1},
             "draft_model": {"method": "draft_model", "num_speculative_tokens": k, "model": draft_dir}}[method]
+    return {**spec, "min_acceptance": 0.3}
 
 
 def _repetitive_prompt(rng: random.Random) -> list[int]:
@@ -126,7 +127,7 @@ def test_config_refusals_name_the_key(cfg, exc, text):
 
 
 def test_engine_checks_the_draft_against_the_target(tiny_engine_factory, tiny_llama_dir, tmp_path, hf_tokenizer_dir):
-    from conftest import _save_tiny
+    from tiny_models import _save_tiny
 
     with pytest.raises(ValueError, match=r"num_draft_layers must be in \[1, 1\]"):
         tiny_engine_factory(speculative_config={"method": "layer_skip", "num_speculative_tokens": 2,

@@ -22,7 +22,7 @@ from kvfleet_server import EngineConfig, LLMEngine, SamplingParams
 from kvfleet_server.sample import rejection
 from kvfleet_server.sample.sampler import SampleRow, filter_probs, process_logits
 
-from conftest import _save_tiny
+from tiny_models import _save_tiny
 from engine_helpers import assert_all_blocks_free, run_to_completion
 
 pytestmark = pytest.mark.slow

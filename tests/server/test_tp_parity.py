@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import _save_tiny
+from tiny_models import _save_tiny
 from kvfleet_server import EngineConfig, LLMEngine, SamplingParams
 from kvfleet_server.engine.scheduler import Request, ScheduledSeq, Sequence
 from kvfleet_server.errors import UnsupportedFeatureError

@@ -154,13 +154,14 @@ class LLMEngine:
 
             be = break_even_acceptance(self.proposer.draft_cost, self.device)
             cut = max(DraftGate.MIN_ACCEPTANCE, be) if sc.min_acceptance is None else sc.min_acceptance
-            logger.info("speculative decoding: %s, %d tokens; a draft costs %.2f of a decode step, break-even "
-                        "acceptance %.2f, cut-off %.2f%s", sc.method, sc.num_speculative_tokens,
-                        self.proposer.draft_cost, be, cut,
-                        " (no acceptance rate pays on this device: one-draft probes every 256 steps)"
-                        if cut >= 1 else "")
-            spec_kw = dict(num_speculative_tokens=sc.num_speculative_tokens,
-                           disable_by_batch_size=sc.disable_by_batch_size, spec_min_acceptance=cut)
+            k = sc.num_speculative_tokens if cut < 1 else 0
+            logger.log(logging.INFO if k else logging.WARNING,
+                       "speculative decoding: %s, %d tokens; a draft costs %.2f of a decode step, break-even "
+                       "acceptance %.2f, cut-off %.2f%s", sc.method, sc.num_speculative_tokens,
+                       self.proposer.draft_cost, be, cut,
+                       "" if k else " — no acceptance rate pays on this device: speculation is off")
+            spec_kw = dict(num_speculative_tokens=k, disable_by_batch_size=sc.disable_by_batch_size,
+                           spec_min_acceptance=cut)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching, max_model_len=max_len, **spec_kw)
         self.requests: dict[str, Request] = {}
@@ -458,6 +459,8 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.publish_computed_blocks(seq)
             m = seq.request.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
             m.last_token_time = now
             touched[seq.request.request_id] = seq.request
 

@@ -111,26 +111,24 @@ class DraftGate:
     in the target's pass, each relative to a decode step; ``Proposer.draft_cost``, ``VERIFY_COST``).
     The gate tracks an exponential moving average of a; when it falls below ``min_acceptance`` (the
     engine passes the break-even, at least ``MIN_ACCEPTANCE``, or speculative_config.min_acceptance;
-    0 never cuts off) the sequence decodes without drafts for a back-off (8 steps, doubling
-    after every failed probe up to 256), then probes with a single draft (a new sequence starts with a
-    probe too while the acceptance over all sequences is below the break-even). When the break-even is
-    ≥ 1 no acceptance rate can pay (a draft as costly as the target): a sequence then drafts only on a
-    one-draft probe every 256 steps. A sequence the proposer cannot predict costs almost nothing after
-    a few steps, one that starts quoting its prompt is picked up again. The output distribution does not
-    depend on when drafts are used (verification is lossless either way).
+    0 never cuts off; at 1 or more the engine does not speculate at all) the sequence decodes without
+    drafts for a back-off (8 steps, doubling after every failed probe up to 256), then probes with a
+    single draft (a new sequence starts with a probe too while the acceptance over all sequences is
+    below the cut-off). A probe that pays brings k drafts back; the back-off resets only once a full
+    verification pays. A sequence the proposer cannot predict costs almost nothing after a few steps, one
+    that starts quoting its prompt is picked up again. The output distribution does not depend on when
+    drafts are used (verification is lossless either way).
     """
 
     MIN_ACCEPTANCE = 0.3
     FIRST_BACKOFF, MAX_BACKOFF = 8, 256
 
-    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, probing: bool = False, step: int = 0):
+    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, probing: bool = False):
         self.min_acceptance = min_acceptance
-        hopeless = self.min_acceptance >= 1.0  # no acceptance rate can pay: probe only every MAX_BACKOFF steps
-        self.first_backoff = self.MAX_BACKOFF if hopeless else self.FIRST_BACKOFF
-        self.ema = self.min_acceptance  # a first verification that accepts little already cuts off
-        self.backoff = self.first_backoff
-        self.resume_step = step + self.MAX_BACKOFF if hopeless else 0
-        self.probing = probing or hopeless  # the next verification checks a single draft
+        self.ema = min_acceptance  # a first verification that accepts little already cuts off
+        self.backoff = self.FIRST_BACKOFF
+        self.resume_step = 0
+        self.probing = probing  # the next verification checks a single draft
 
     def open(self, step: int) -> bool:
         return step >= self.resume_step
@@ -142,7 +140,8 @@ class DraftGate:
     def update(self, step: int, num_drafts: int, num_accepted: int) -> None:
         self.ema = 0.5 * self.ema + 0.5 * num_accepted / num_drafts
         if self.ema >= self.min_acceptance:
-            self.backoff = self.first_backoff
+            if not self.probing:
+                self.backoff = self.FIRST_BACKOFF
             self.probing = False
             return
         self.resume_step = step + self.backoff
@@ -276,20 +275,46 @@ class Scheduler:
         self.kv.free(seq.seq_id)
 
     def _gate(self, seq: Sequence) -> None:
-        if seq.draft_gate is None:
+        if self.num_speculative_tokens and seq.draft_gate is None:
             ema = 1.0 if self.spec_acceptance_ema is None else self.spec_acceptance_ema
-            seq.draft_gate = DraftGate(self.spec_min_acceptance, probing=ema < self.spec_min_acceptance,
-                                       step=self.num_steps)
+            seq.draft_gate = DraftGate(self.spec_min_acceptance, probing=ema < self.spec_min_acceptance)
 
     def _num_drafts(self, seq: Sequence, budget: int) -> int:
-        """Draft tokens a decoding sequence may verify this step: k, fewer when the token budget, its
-        max_tokens or max_model_len leave less room (every accepted draft plus the bonus token must
-        fit), 0 for prefills (chunked or after preemption) and for structured output (a grammar row
-        decodes without drafts: its mask is defined for one position at a time)."""
-        if seq.num_uncomputed != 1 or seq.grammar is not None or not seq.draft_gate.open(self.num_steps):
+        """Draft tokens a decoding sequence may verify this step: k (1 for a probe), fewer when the
+        ``budget`` left for drafts, its max_tokens or max_model_len leave less room (every accepted draft
+        plus the bonus token must fit). None for prefills — chunked, or a recompute after preemption, even
+        a last chunk of one token before the first sample — for structured output (a grammar row decodes
+        without drafts: its mask is defined for one position at a time) and for seeded random sampling
+        (whether a step drafts depends on the rest of the batch, and verification draws from the seeded
+        generator differently than plain sampling: a seed must give the same tokens whatever is batched)."""
+        p = seq.request.params
+        if (seq.num_uncomputed != 1 or not seq.num_output_tokens or not seq.request.forked
+                or seq.grammar is not None or (p.seed is not None and not p.greedy)
+                or not seq.draft_gate.open(self.num_steps)):
             return 0
         room = min(seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
-        return max(0, min(seq.draft_gate.num_drafts(self.num_speculative_tokens), budget - 1, room))
+        return max(0, min(seq.draft_gate.num_drafts(self.num_speculative_tokens), budget, room))
+
+    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Last pass over the sequences scheduled this step: draft slots from the token budget and free
+        blocks left after every running sequence got its own tokens and waiting ones were admitted (drafts
+        never push another sequence out of the step or the pool, nor delay a prefill). Returns the budget
+        left."""
+        for s in out.scheduled:
+            if budget <= 0:
+                break
+            seq = s.seq
+            drafts = self._num_drafts(seq, budget)
+            if not drafts:
+                continue
+            copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, s.num_new + drafts)
+            if copies is None:  # no free blocks left for them: decode plainly
+                continue
+            s.num_new += drafts
+            s.max_drafts = drafts
+            out.copies.extend(copies)
+            budget -= drafts
+        return budget
 
     def rollback(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """After verification: the accepted drafts' KV counts as computed; blocks holding only rejected
@@ -367,16 +392,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self.running.sort(key=Sequence.arrival_key)
         i = 0
-        speculate = self.num_speculative_tokens > 0 and (
-            self.disable_by_batch_size is None or len(self.running) <= self.disable_by_batch_size)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_uncomputed, budget)
-            drafts = self._num_drafts(seq, budget) if speculate else 0
-            copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new + drafts)
-            if copies is None and drafts:  # no room for the drafts: decode plainly rather than preempt
-                drafts = 0
-                copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             while copies is None:
                 victim = self.running[-1]  # most recent arrival, not scheduled yet (index >= i)
                 self._preempt(victim)
@@ -386,9 +405,9 @@ class Scheduler:
                 copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
             if copies is None:
                 break
-            out.scheduled.append(ScheduledSeq(seq, num_new + drafts, max_drafts=drafts))
+            out.scheduled.append(ScheduledSeq(seq, num_new))
             out.copies.extend(copies)
-            budget -= num_new + drafts
+            budget -= num_new
             i += 1
 
         if out.preempted:
@@ -427,4 +446,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             out.copies.extend(copies)
             budget -= num_new
+        if self.num_speculative_tokens and (self.disable_by_batch_size is None
+                                            or len(self.running) <= self.disable_by_batch_size):
+            self._schedule_drafts(out, budget)
         return out
