@@ -33,7 +33,7 @@ def test_kernels_match_torch_backend(kernel_results):
     """fp32 < 1e-4 and bf16 < 1e-2 relative error, decode / extend / mixed steps, GQA 1, 3, 4, 8, with
     non-contiguous and shared blocks and contexts not divisible by the block size; the KV write
     leaves the cache bit-identical to the oracle's (FP8 caches included)."""
-    assert len(kernel_results) == 28
+    assert len(kernel_results) == 29
     seen = set()
     for r in kernel_results:
         assert r["rel_err"] < TOL[r["dtype"]], r
@@ -45,14 +45,19 @@ def test_kernels_match_torch_backend(kernel_results):
                 assert (kind, ratio, dtype) in seen
     assert {r["kv_cache_dtype"] for r in kernel_results} == {"auto", "float8_e4m3fn", "float8_e5m2"}
     assert {r["num_splits"] for r in kernel_results} == {1, 2, 3}
+    assert {r["head_dim"] for r in kernel_results} == {16, 24, 64}
+    assert {r["block_size"] for r in kernel_results} == {4, 8, 16}
 
 
 @pytest.mark.slow
 def test_engine_greedy_tokens_triton_equal_torch(tiny_llama_dir):
     """LLM.generate on the tiny random Llama (GQA 4/2, head_dim 16), chunked prefill, prefix-cache hits:
-    the same greedy tokens with --attention-backend triton (interpreted) as with torch."""
+    the same greedy tokens with --attention-backend triton (interpreted) as with torch, also when the
+    decode steps go through the CUDA-graph path (padded batches; padded rows write no KV)."""
     out = json.loads(_run("engine", tiny_llama_dir).strip().splitlines()[-1])
     assert out["triton"] == out["torch"]
+    assert out["triton_graphs"] == out["torch"]
+    assert out["graph_sizes"], "no decode step took the graph path"
     assert all(len(t) == 6 for t in out["torch"])
 
 

@@ -44,13 +44,15 @@ def _prefill_inputs(meta: AttentionMetadata, device):
 class TritonAttentionBackend(AttentionBackend):
     """Paged attention with Triton kernels (CUDA; the CPU under ``TRITON_INTERPRET=1``).
 
-    ``num_splits`` fixes the decode kernel's context splits (None: ``default_num_splits``)."""
+    ``num_splits`` fixes the decode kernel's context splits (None: ``default_num_splits``);
+    ``decode_block_n`` is its K/V tile in tokens (a power of two, at least 16)."""
 
     name = "triton"
     supports_cuda_graphs = True
 
-    def __init__(self, num_splits: int | None = None):
+    def __init__(self, num_splits: int | None = None, decode_block_n: int = 64):
         self.num_splits = num_splits
+        self.decode_block_n = decode_block_n
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,7 +67,7 @@ class TritonAttentionBackend(AttentionBackend):
             tables, lens = cache["decode"]
             D = meta.num_decodes
             paged_decode_attention(q[:D], k_cache, v_cache, tables, lens, scale, kv_scales,
-                                   num_splits=self.num_splits, out=out[:D])
+                                   num_splits=self.num_splits, out=out[:D], block_n=self.decode_block_n)
         if meta.prefills:
             if "prefill" not in cache:
                 cache["prefill"] = _prefill_inputs(meta, q.device)

@@ -3,8 +3,8 @@ place through the block table (no gather), split over the context (flash-decodin
 vLLM's paged attention v2 / SGLang's decode_attention kernels follow the same plan).
 
 Grid ``(num_seqs, num_kv_heads, num_splits)``: one program takes all ``G = num_heads / num_kv_heads``
-query heads of one kv head (GQA: each K/V tile is loaded once for the whole group) over one slice of
-the context, keeping an online softmax (running max, sum, weighted V). A second kernel merges the
+query heads of one kv head (GQA: each K/V tile is loaded once for the whole group; the heads are the
+rows of tl.dot, padded to 16 as in SGLang's grouped decode kernel) over one slice of the context, keeping an online softmax (running max, sum, weighted V). A second kernel merges the
 slices with their log-sum-exp. The context length is read on the device, so the launch depends only
 on shapes (a CUDA graph can replay it for any context up to the block table's width); splits past a
 sequence's context exit at once.
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import cache_view, fp8_kind, load_kv_tile, padded_head_dim
+from .triton_common import INTERPRETED, cache_view, fp8_kind, load_kv_tile, padded_head_dim
 
 
 @triton.jit
@@ -29,7 +29,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, scales_ptr, o_p
                          sm_scale,
                          NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, FP8: tl.constexpr, FP8_TYPE: tl.constexpr):
+                         BLOCK_N: tl.constexpr, FP8: tl.constexpr, FP8_TYPE: tl.constexpr,
+                         IEEE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -45,9 +46,10 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, scales_ptr, o_p
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kvh * GROUP + offs_g
+    # the group's query heads as the M rows of the dots (padded to 16 rows, tl.dot's minimum)
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    q = q * (sm_scale * 1.4426950408889634)  # softmax in base 2
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
     k_scale = 1.0
     v_scale = 1.0
     if FP8:
@@ -65,13 +67,20 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, scales_ptr, o_p
                          stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
         v = load_kv_tile(vc_ptr, bt_row, tok, tok_mask, kvh, offs_d, d_mask, v_scale,
                          stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G_PAD, BLOCK_N]
-        s = tl.where(tok_mask[None, :], s, float("-inf"))
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = tl.where(tok_mask[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
 
     # partial results: o = acc / l, lse (base 2) = m + log2(l); an empty split leaves lse = -inf
@@ -119,7 +128,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_blocks: int, block_
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            kv_scales: torch.Tensor | None = None, num_splits: int | None = None,
-                           out: torch.Tensor | None = None, block_n: int = 32) -> torch.Tensor:
+                           out: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged context.
 
     Args:
@@ -159,8 +168,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q, kc, vc, block_tables, context_lens, kv_scales if fp8 is not None else context_lens, o_part, lse,
         q.stride(0), q.stride(1), block_tables.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
         scale,
-        NUM_SPLITS=splits, GROUP=group, G_PAD=triton.next_power_of_2(group), HEAD_DIM=D, D_PAD=d_pad,
+        NUM_SPLITS=splits, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, D_PAD=d_pad,
         BLOCK_SIZE=bs, BLOCK_N=block_n, FP8=fp8 is not None, FP8_TYPE=fp8 if fp8 is not None else tl.float32,
+        IEEE=q.dtype == torch.float32 or INTERPRETED,
     )
     _decode_reduce_kernel[(B, H)](
         o_part, lse, out, out.stride(0), out.stride(1),

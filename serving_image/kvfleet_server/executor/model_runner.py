@@ -252,7 +252,7 @@ class ModelRunner:
         self.last_hidden = hidden
         self.step_logits = None
         if inputs.logit_rows:
-            self.step_logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=dev)])
+            self.step_logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=self.device)])
         return hidden
 
     def _log_kv_calibration(self) -> None:
