@@ -87,10 +87,11 @@ class DecodeGraphs:
         self.pool = None
 
     def can_run(self, inputs) -> bool:
-        """A decode-only step of at most the largest size, after FP8 KV calibration, and not a
-        tensor-parallel step that needs logits with it."""
+        """A decode-only step over all layers (not a layer_skip drafter's pass) of at most the largest
+        size, after FP8 KV calibration, and not a tensor-parallel step that needs logits with it."""
         n = len(inputs.dec_positions)
         return (0 < n <= self.sizes[-1] and not inputs.prefills and not self.runner._kv_calibration_pending
+                and getattr(inputs, "num_layers", None) is None
                 and not inputs.logit_rows and bool(self.launch)
                 and all(len(g[2][0]) <= self.max_blocks for g in inputs.decode_groups))
 
@@ -126,10 +127,11 @@ class DecodeGraphs:
         return B
 
     def run(self, inputs) -> torch.Tensor:
-        """Hidden states [n, hidden] of a decode-only step (``can_run``)."""
+        """Hidden states [n, hidden] of a decode-only step (``can_run``): a copy, since the next replay
+        overwrites the static output."""
         B = self.fill(inputs)
         self.launch[B]()
-        return self.hidden[: len(inputs.dec_positions)]
+        return self.hidden[: len(inputs.dec_positions)].clone()
 
     def use_eager(self) -> None:
         """Every size runs ``forward`` directly: the graph's work without the graph."""
