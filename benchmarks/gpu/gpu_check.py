@@ -5,7 +5,7 @@ construction, nothing beyond torch, triton and kvfleet's pure-Python dependencie
      context lengths, shared blocks, GQA 1/4/8, fp32 and bf16, an FP8 cache);
   2. decode: a random-weight model with Llama-3.1-8B shapes in bf16 (config built in code): step time
      at batch 1, 8, 64, 256 (context 512) eager and with CUDA graphs, tok/s, achieved bytes/s (weights
-     + KV read per step) / the measured device-to-device copy bandwidth;
+     but the embedding table + KV, read per step) / the measured device-to-device copy bandwidth;
   3. prefill: tok/s of 4 x 1024-token prompts and achieved TFLOP/s / the measured bf16 matmul rate;
   4. server: kvfleet-server on that model shape (SmolLM2's tokenizer, so vocab 49152) answering one
      streamed request.
@@ -138,7 +138,11 @@ def decode_and_prefill(p, dev, dtype, cfg: ModelConfig) -> tuple[list[dict], dic
     P, L = p["prefill"]
     num_blocks = max(B_max * -(-ctx // bs), P * -(-L // bs)) + 1
     runner = ModelRunner(model, num_blocks, bs, str(dev), dtype, TritonAttentionBackend())
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # bytes a decode step reads: every weight but the embedding table (only B rows of it are read)
     weight_bytes = model_weight_bytes(model)
+    embed_bytes = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * itemsize
+    read_bytes = weight_bytes - embed_bytes
     per_tok = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, dtype)
     bw = copy_bandwidth(dev, p["copy_mib"])
     graphs = None
@@ -157,7 +161,7 @@ def decode_and_prefill(p, dev, dtype, cfg: ModelConfig) -> tuple[list[dict], dic
             t = timed(lambda: runner.run(inp), dev, p["warmup"], p["iters"])
             row[f"{mode}_s"] = t
         best = min(v for k, v in row.items() if k.endswith("_s") and v)
-        moved = weight_bytes + B * ctx * per_tok
+        moved = read_bytes + B * ctx * per_tok
         row.update(tok_s=B / best, bytes_per_s=moved / best, bw_frac=moved / best / bw,
                    graph_speedup=(row["eager_s"] / row["graphs_s"]) if row.get("graphs_s") else None)
         rows.append(row)
@@ -166,7 +170,7 @@ def decode_and_prefill(p, dev, dtype, cfg: ModelConfig) -> tuple[list[dict], dic
     pre = StepInputs(input_ids=[1] * (P * L), dec_positions=[], dec_slots=[], decode_groups=[],
                      prefills=[(i * L, L, L, list(range(i * nb, (i + 1) * nb))) for i in range(P)])
     t = timed(lambda: runner.run(pre), dev, 1 if p is DRY else 3, p["iters"] if p is DRY else 5)
-    params = weight_bytes / torch.empty((), dtype=dtype).element_size()
+    params = read_bytes / itemsize  # parameters in matmuls
     attn = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * P * L * L / 2  # causal QK^T + PV
     flops = 2 * params * P * L + attn
     mm = matmul_rate(dev, p["mm"])
@@ -175,7 +179,8 @@ def decode_and_prefill(p, dev, dtype, cfg: ModelConfig) -> tuple[list[dict], dic
     del runner, model, graphs
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return rows, prefill, {"copy_bw_GBps": bw / 1e9, "weight_GB": weight_bytes / 1e9}
+    return rows, prefill, {"copy_bw_GBps": bw / 1e9, "weight_GB": weight_bytes / 1e9,
+                           "read_per_step_GB_at_b1": (read_bytes + ctx * per_tok) / 1e9}
 
 
 def server(p, cfg: ModelConfig, dev, workdir: str) -> dict:

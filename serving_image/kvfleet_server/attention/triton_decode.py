@@ -26,8 +26,8 @@ from .triton_common import INTERPRETED, cache_view, fp8_kind, load_kv_tile, padd
 @triton.jit
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, scales_ptr, o_part_ptr, lse_ptr,
                          stride_qt, stride_qh, stride_bt, stride_cb, stride_cs, stride_ch,
-                         sm_scale,
-                         NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+                         sm_scale, NUM_SPLITS,
+                         GROUP: tl.constexpr, G_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                          BLOCK_N: tl.constexpr, FP8: tl.constexpr, FP8_TYPE: tl.constexpr,
                          IEEE: tl.constexpr):
@@ -94,8 +94,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, scales_ptr, o_p
 
 
 @triton.jit
-def _decode_reduce_kernel(o_part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh,
-                          NUM_SPLITS: tl.constexpr, S_PAD: tl.constexpr,
+def _decode_reduce_kernel(o_part_ptr, lse_ptr, out_ptr, stride_ot, stride_oh, NUM_SPLITS,
+                          S_PAD: tl.constexpr,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -167,14 +167,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_split_kernel[(B, kvh, splits)](
         q, kc, vc, block_tables, context_lens, kv_scales if fp8 is not None else context_lens, o_part, lse,
         q.stride(0), q.stride(1), block_tables.stride(0), kc.stride(0), kc.stride(1), kc.stride(2),
-        scale,
-        NUM_SPLITS=splits, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, D_PAD=d_pad,
+        scale, splits,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D, D_PAD=d_pad,
         BLOCK_SIZE=bs, BLOCK_N=block_n, FP8=fp8 is not None, FP8_TYPE=fp8 if fp8 is not None else tl.float32,
         IEEE=q.dtype == torch.float32 or INTERPRETED,
     )
     _decode_reduce_kernel[(B, H)](
-        o_part, lse, out, out.stride(0), out.stride(1),
-        NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), HEAD_DIM=D, D_PAD=d_pad,
+        o_part, lse, out, out.stride(0), out.stride(1), splits,
+        S_PAD=triton.next_power_of_2(splits), HEAD_DIM=D, D_PAD=d_pad,
     )
     return out
 
