@@ -185,8 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split long prefills into chunks of --max-num-batched-tokens (always on in kvfleet; "
                         "--no-enable-chunked-prefill is refused)")
     e.add_argument("--enforce-eager", action="store_true",
-                   help="vLLM: no CUDA graphs. kvfleet always runs eagerly (it captures no CUDA graphs), so "
-                        "this is what it does anyway")
+                   help="no CUDA graphs (vLLM's flag): decode steps on CUDA otherwise replay graphs captured at "
+                        "batch sizes 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs (capped at 512)")
+    e.add_argument("--attention-backend", default=_engine_default("attention_backend"),
+                   choices=["auto", "torch", "triton"],
+                   help="kvfleet's flag (vLLM uses the VLLM_ATTENTION_BACKEND environment variable): auto = the "
+                        "Triton paged-attention kernels on CUDA, the PyTorch reference elsewhere; triton on a CPU "
+                        "only under TRITON_INTERPRET=1 (slow, for tests)")
     e.add_argument("--kv-cache-dtype", default="auto",
                    help="KV-cache dtype: auto (= the model dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer K/V "
                         "scales)")
@@ -247,7 +252,7 @@ ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_mem
                  "kv_cache_memory_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
                  "speculative_config", "seed", "num_threads", "max_logprobs",
-                 "structured_outputs_config", "enable_jump_forward")
+                 "structured_outputs_config", "enable_jump_forward", "attention_backend", "enforce_eager")
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:

@@ -28,6 +28,8 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 #: methods whose CPU kernels are vectorized for bfloat16 activations: dtype "auto" picks bfloat16 on CPU
 BF16_CPU_METHODS = ("int8", "int4", "gguf")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+#: --attention-backend values (attention/__init__.py keeps the same tuple; config.py stays torch-free)
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "triton")
 #: --structured-outputs-config keys: vLLM's backend / disable_any_whitespace, and kvfleet's max_whitespace
 #: (JSON whitespace cap between two tokens) and compile_timeout (seconds a request waits for its grammar).
 STRUCTURED_OUTPUTS_DEFAULTS = {"backend": "auto", "disable_any_whitespace": False, "max_whitespace": 2,
@@ -91,6 +93,10 @@ class EngineConfig:
             backend "auto" or "xgrammar" (the only grammar engine).
         enable_jump_forward: append a grammar's forced continuation without sampling it (SGLang's
             compressed-FSM jump-forward); off by default.
+        attention_backend: "auto" (Triton kernels on CUDA, the torch reference elsewhere) | "torch" |
+            "triton" (kvfleet's --attention-backend; "triton" on a CPU only under TRITON_INTERPRET=1).
+        enforce_eager: no CUDA graphs (vLLM's --enforce-eager); otherwise decode-only steps on CUDA
+            replay graphs captured at a fixed set of batch sizes (executor/cuda_graphs.py).
     """
 
     model: str | None = None
@@ -114,6 +120,8 @@ class EngineConfig:
     max_logprobs: int = 20
     structured_outputs_config: dict | None = None
     enable_jump_forward: bool = False
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -160,6 +168,9 @@ class EngineConfig:
             from .spec_decode.config import SpeculativeConfig
 
             SpeculativeConfig.from_dict(self.speculative_config)
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(f"attention_backend must be one of {list(ATTENTION_BACKEND_CHOICES)}, "
+                             f"got {self.attention_backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -186,6 +197,13 @@ class EngineConfig:
 
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+    def resolved_attention_backend(self) -> str:
+        """"torch" or "triton" for the resolved device (ValueError naming the field when "triton"
+        cannot run there, see ``attention.resolve_attention_backend``)."""
+        from .attention import resolve_attention_backend
+
+        return resolve_attention_backend(self.attention_backend, self.resolved_device())
 
     def resolved_quantization(self) -> str | None:
         """The quantization method that runs: ``quantization``; else "gguf" (packed) for a .gguf model file

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: slot of a padded row: its K/V are not written (vLLM's PAD_SLOT_ID)
+PAD_SLOT_ID = -1
+
 
 @dataclass
 class PrefillSpan:
@@ -49,12 +52,15 @@ class DecodeGroup:
         start, count: rows [start, start + count) of the flat batch.
         block_tables: [count, max_blocks] int64 (padded with a valid block id; masked out).
         mask: [count, 1, 1, max_blocks * block_size] bool, True for key positions < context length.
+        context_lens: [count] int64 context lengths (the new token included), when the builder has
+            them (the kernels of the Triton backend read these instead of the mask).
     """
 
     start: int
     count: int
     block_tables: torch.Tensor
     mask: torch.Tensor
+    context_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -76,12 +82,17 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
     kv_calibrate: bool = False
+    has_pad_slots: bool = False
+    backend_cache: dict = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):
     """Computes attention for one layer over the paged cache."""
 
     name: str = "abstract"
+    #: its forward can be captured in a CUDA graph (static shapes, no host synchronisation, PAD_SLOT_ID
+    #: rows skipped on the device)
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def forward(

@@ -25,22 +25,30 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         num_blocks, block_size, kvh, hd = k_cache.shape
+        slots, k_new, v_new = meta.slot_mapping, k, v
+        if meta.has_pad_slots:  # padded rows (PAD_SLOT_ID) write nothing
+            keep = slots >= 0
+            slots, k_new, v_new = slots[keep], k[keep], v[keep]
         if kv_scales is not None:
             fp8 = k_cache.dtype
             if meta.kv_calibrate and not bool(kv_scales[0] > 0):
                 kv_quant.calibrate(kv_scales, k, v, fp8)
             k8, v8 = kv_quant.quantize(k, kv_scales[0], fp8), kv_quant.quantize(v, kv_scales[1], fp8)
+            if meta.has_pad_slots:
+                k8w, v8w = k8[keep], v8[keep]
+            else:
+                k8w, v8w = k8, v8
             # CPU index kernels do not take float8: move the bytes as uint8
-            k_cache.view(torch.uint8).view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k8.view(torch.uint8))
-            v_cache.view(torch.uint8).view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v8.view(torch.uint8))
+            k_cache.view(torch.uint8).view(-1, kvh, hd).index_copy_(0, slots, k8w.view(torch.uint8))
+            v_cache.view(torch.uint8).view(-1, kvh, hd).index_copy_(0, slots, v8w.view(torch.uint8))
             k, v = kv_quant.dequantize(k8, kv_scales[0], q.dtype), kv_quant.dequantize(v8, kv_scales[1], q.dtype)
 
             def read(flat: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
                 rows = flat.view(torch.uint8).index_select(0, idx).view(fp8)
                 return kv_quant.dequantize(rows, kv_scales[which], q.dtype)
         else:
-            k_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, kvh, hd).index_copy_(0, meta.slot_mapping, v)
+            k_cache.view(-1, kvh, hd).index_copy_(0, slots, k_new)
+            v_cache.view(-1, kvh, hd).index_copy_(0, slots, v_new)
 
             def read(flat: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
                 return flat.index_select(0, idx)

@@ -5,6 +5,11 @@ KV pool sizing (vLLM's rule for tensor parallelism): each rank measures its own 
 pass over ``max_num_batched_tokens`` tokens (a profile run, collective across the ranks); on the CPU the
 configured ``kv_cache_memory_bytes`` (per rank, default 1 GiB) — and the pool gets the number of blocks
 the *smallest* budget holds, so every rank can hold its shard of every block.
+
+With CUDA graphs (``enforce_eager`` off, a backend that supports them, one rank) the profile also runs
+one decode step at the largest captured batch size, and the graphs' memory
+(``cuda_graphs.graph_memory_bytes``) is taken from the budget before the pool is sized; the graphs are
+captured once the pool exists.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import torch
 
 from ..attention import get_attention_backend
+from .cuda_graphs import DecodeGraphs, capture_sizes, graph_memory_bytes
 from ..attention.kv_quant import kv_cache_torch_dtype
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, MAX_DEFAULT_MODEL_LEN, EngineConfig
 from ..model.config import ModelConfig
@@ -55,31 +61,70 @@ def build_shard(config: EngineConfig, tp: TPGroup, reader=None, timings=None):
     return model, mcfg, max_len
 
 
+def kv_budget_bytes(total: int, free: int, utilization: float, activation_peak: int, graph_bytes: int = 0) -> int:
+    """KV bytes on one GPU (vLLM's rule): utilization × total, less what is in use after loading the
+    weights (total - free: weights, CUDA context, other processes), less the profile run's activation
+    peak and the CUDA graphs' memory. May be <= 0 (nothing left)."""
+    return int(total * utilization) - (total - free) - activation_peak - graph_bytes
+
+
+def graphs_wanted(config: EngineConfig, device: torch.device, backend, tp: TPGroup) -> bool:
+    """CUDA graphs for decode steps: on CUDA, not --enforce-eager, a backend whose forward can be
+    captured (the Triton one), one rank (the all-reduce of tensor parallelism is not captured)."""
+    if device.type != "cuda" or config.enforce_eager:
+        return False
+    if not backend.supports_cuda_graphs or tp.is_parallel:
+        logger.info("CUDA graphs off: %s", "tensor parallelism" if tp.is_parallel else
+                    f"the {backend.name} attention backend cannot be captured")
+        return False
+    return True
+
+
+def max_blocks_per_seq(model, block_size: int) -> int:
+    """Block-table width of the longest sequence (the model's rope table covers max_model_len)."""
+    return -(-model.rope_cos.shape[0] // block_size)
+
+
 def cuda_kv_budget(config: EngineConfig, model, block_size: int, device: torch.device, dtype: torch.dtype,
-                   kv_dtype: torch.dtype) -> int:
+                   kv_dtype: torch.dtype, graph_batch: int = 0) -> int:
     """This rank's KV budget on CUDA (see the module docstring); every rank must call it together
-    (the profile forward all-reduces). Raises ValueError when nothing is left for the KV cache."""
+    (the profile forward all-reduces). ``graph_batch``: the largest CUDA-graph batch size (0: none).
+    Raises ValueError when nothing is left for the KV cache."""
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     T = min(config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, model.config.max_position_embeddings)
+    T = max(T, min(config.max_num_seqs, model.config.max_position_embeddings))
     nb = -(-T // block_size) + 1
-    tmp = ModelRunner(model, nb, block_size, str(device), dtype, get_attention_backend(device.type), kv_dtype)
+    backend = get_attention_backend(device.type, config.resolved_attention_backend())
+    tmp = ModelRunner(model, nb, block_size, str(device), dtype, backend, kv_dtype)
+    # the largest step: T prefill tokens, with the logits of up to max_num_seqs sampled rows
     tmp.run(StepInputs(input_ids=[0] * T, dec_positions=[], dec_slots=[], decode_groups=[],
-                       prefills=[(0, T, T, list(range(-(-T // block_size))))]))
+                       prefills=[(0, T, T, list(range(-(-T // block_size))))],
+                       logit_rows=list(range(min(config.max_num_seqs, T)))))
     torch.cuda.synchronize(device)
     activation = torch.cuda.max_memory_allocated(device) - base
+    graph_bytes = 0
+    if graph_batch:
+        torch.cuda.reset_peak_memory_stats(device)
+        base2 = torch.cuda.memory_allocated(device)
+        tmp.run(StepInputs(input_ids=[0] * graph_batch, dec_positions=[0] * graph_batch, dec_slots=[0] * graph_batch,
+                           decode_groups=[(0, graph_batch, [[0]] * graph_batch, [1] * graph_batch)], prefills=[]))
+        torch.cuda.synchronize(device)
+        graph_bytes = graph_memory_bytes(torch.cuda.max_memory_allocated(device) - base2, graph_batch,
+                                         max_blocks_per_seq(model, block_size), model.config.hidden_size, dtype)
     del tmp
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    budget = int(total * config.gpu_memory_utilization) - (total - free) - activation
+    budget = kv_budget_bytes(total, free, config.gpu_memory_utilization, activation, graph_bytes)
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no memory for the KV cache on {device} "
-            f"(total {total} B, in use {total - free} B, activation peak {activation} B)"
+            f"(total {total} B, in use {total - free} B, activation peak {activation} B, CUDA graphs {graph_bytes} B)"
         )
-    logger.info("CUDA profile (%s): activation peak %.1f MiB, KV budget %.1f MiB", device, activation / 2**20,
-                budget / 2**20)
+    logger.info("CUDA profile (%s): activation peak %.1f MiB, CUDA graphs %.1f MiB, KV budget %.1f MiB", device,
+                activation / 2**20, graph_bytes / 2**20, budget / 2**20)
     return budget
 
 
@@ -102,8 +147,11 @@ def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = 
     device = device or (str(tp.device) if tp.is_parallel else config.resolved_device())
     per_token = kv_bytes_per_token(mc.num_hidden_layers, model.shard.num_kv_heads, mc.head_dim, kv_dtype)
     per_token += extra_kv_bytes_per_token
-    if torch.device(device).type == "cuda" and config.kv_cache_memory_bytes is None:
-        budget = cuda_kv_budget(config, model, bs, torch.device(device), dtype, kv_dtype)
+    dev = torch.device(device)
+    backend = get_attention_backend(dev.type, config.resolved_attention_backend())
+    sizes = capture_sizes(config.max_num_seqs) if graphs_wanted(config, dev, backend, tp) else []
+    if dev.type == "cuda" and config.kv_cache_memory_bytes is None:
+        budget = cuda_kv_budget(config, model, bs, dev, dtype, kv_dtype, sizes[-1] if sizes else 0)
     else:
         budget = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
     budgets = tp.gather_object(budget)
@@ -119,6 +167,8 @@ def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = 
             f"kv_cache_memory_bytes={min(budgets) if budgets else budget} is too small: one KV block of {bs} tokens "
             f"needs {per_token * bs} bytes"
         )
-    runner = ModelRunner(model, num_blocks, bs, device, dtype, get_attention_backend(torch.device(device).type),
-                         kv_dtype)
+    runner = ModelRunner(model, num_blocks, bs, device, dtype, backend, kv_dtype)
+    if sizes:  # after the pool is allocated: the graphs address its tensors
+        runner.graphs = DecodeGraphs(runner, sizes, min(max_blocks_per_seq(model, bs), num_blocks))
+        runner.graphs.capture()
     return runner, num_blocks

@@ -110,6 +110,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.backend = backend
+        #: decode CUDA graphs (executor/cuda_graphs.py), set up by engine_setup after the pool exists
+        self.graphs = None
         shape = (num_blocks, block_size, model.shard.num_kv_heads, cfg.head_dim)
         ckpt_scales = getattr(model, "kv_cache_scales", {}) or {}
         self._kv_calibration_pending = is_fp8(kv_dtype) and len(ckpt_scales) < cfg.num_hidden_layers
@@ -212,13 +214,15 @@ class ModelRunner:
         """
         bs, dev = self.block_size, self.device
         self.copy_blocks(inputs.copies)
+        if self.graphs is not None and self.graphs.can_run(inputs):  # decode-only: replay a CUDA graph
+            return self._finish(self.graphs.run(inputs), inputs)
         n_dec = len(inputs.dec_positions)
         groups = []
         for start, count, tables, ctx_lens in inputs.decode_groups:
             mb = len(tables[0])
             ctx = torch.tensor(ctx_lens, device=dev)
             mask = (torch.arange(mb * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
-            groups.append(DecodeGroup(start, count, torch.tensor(tables, device=dev), mask))
+            groups.append(DecodeGroup(start, count, torch.tensor(tables, device=dev), mask, ctx))
         prefills, pre_pos, pre_slots = [], [], []
         for q_start, n, ctx, table in inputs.prefills:
             p0 = ctx - n
@@ -242,10 +246,13 @@ class ModelRunner:
                                 num_layers=inputs.num_layers)
         if self._kv_calibration_pending:
             self._log_kv_calibration()
+        return self._finish(hidden, inputs)
+
+    def _finish(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         self.last_hidden = hidden
         self.step_logits = None
         if inputs.logit_rows:
-            self.step_logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=dev)])
+            self.step_logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=self.device)])
         return hidden
 
     def _log_kv_calibration(self) -> None:

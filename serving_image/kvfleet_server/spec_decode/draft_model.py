@@ -28,6 +28,7 @@ class DraftModelProposer(Proposer):
 
     def bind(self, runner: ModelRunner) -> None:
         self.draft_cost = decode_read_bytes(self.model) / decode_read_bytes(runner.model)
+        self.backend = runner.backend  # the target's attention backend (--attention-backend)
         self.runner = ModelRunner(self.model, runner.num_blocks, runner.block_size, self.device, self.dtype,
                                   self.backend)
 
