@@ -91,6 +91,8 @@ class EngineConfig:
             backend "auto" or "xgrammar" (the only grammar engine).
         enable_jump_forward: append a grammar's forced continuation without sampling it (SGLang's
             compressed-FSM jump-forward); off by default.
+        enforce_eager: run the decoder layers eagerly (vLLM's --enforce-eager): no torch.compile (and no
+            CUDA graphs). Default False: the layers are compiled piecewise at start-up (model/compile.py).
     """
 
     model: str | None = None
@@ -114,6 +116,7 @@ class EngineConfig:
     max_logprobs: int = 20
     structured_outputs_config: dict | None = None
     enable_jump_forward: bool = False
+    enforce_eager: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

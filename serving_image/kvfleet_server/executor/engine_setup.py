@@ -122,3 +122,17 @@ def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = 
     runner = ModelRunner(model, num_blocks, bs, device, dtype, get_attention_backend(torch.device(device).type),
                          kv_dtype)
     return runner, num_blocks
+
+
+def compile_model(config: EngineConfig, model, tp: TPGroup) -> None:
+    """Unless ``config.enforce_eager``: torch.compile the decoder layers piecewise and warm them up
+    (``model/compile.py``). Collective under tensor parallelism: every rank calls it after loading."""
+    if config.enforce_eager:
+        return
+    from ..model.compile import compile_cache_dir, compile_layers, warm_up
+
+    compile_layers(model)
+    dev = tp.device if tp.is_parallel else torch.device(config.resolved_device())
+    seconds = warm_up(model, config.resolved_dtype(), dev)
+    logger.info("torch.compile of the decoder layers: %.1fs (cache %s; --enforce-eager skips it)", seconds,
+                compile_cache_dir())
