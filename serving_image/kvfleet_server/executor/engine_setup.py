@@ -10,6 +10,7 @@ the *smallest* budget holds, so every rank can hold its shard of every block.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -125,9 +126,11 @@ def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = 
 
 
 def compile_model(config: EngineConfig, model, tp: TPGroup) -> None:
-    """Unless ``config.enforce_eager``: torch.compile the decoder layers piecewise and warm them up
-    (``model/compile.py``). Collective under tensor parallelism: every rank calls it after loading."""
-    if config.enforce_eager:
+    """Unless ``config.enforce_eager`` (or ``KVFLEET_ENFORCE_EAGER=1`` in the environment: the test suite's
+    default, which builds hundreds of short-lived engines): torch.compile the decoder layers piecewise and
+    warm them up (``model/compile.py``). Collective under tensor parallelism: every rank calls it after
+    loading (the workers inherit the environment)."""
+    if config.enforce_eager or os.environ.get("KVFLEET_ENFORCE_EAGER") == "1":
         return
     from ..model.compile import compile_cache_dir, compile_layers, warm_up
 
