@@ -42,9 +42,10 @@ def test_compiled_greedy_equals_eager_on_real_model():
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(20, 200))] for _ in range(8)]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kw = dict(dtype="float32", device="cpu", max_num_batched_tokens=512)
+    before = _unique_graphs()
     compiled = _compiled(lambda: LLM("smollm2", **kw))
-    assert compiled.engine.model.pieces[0].__class__.__name__ != "function"  # really compiled
     graphs = _unique_graphs()
+    assert compiled.engine.model.compiled and graphs > before  # really compiled (graphs traced at start-up)
     got = [o.outputs[0].token_ids for o in compiled.generate(prompts, sp)]
     assert _unique_graphs() == graphs, "a batch size recompiled after the warm-up"
     del compiled
@@ -81,6 +82,7 @@ def test_compiled_engine_equals_eager_on_mixed_batch_with_prefix_hits_and_preemp
     kw = dict(model=tiny_llama_dir, dtype="float32", device="cpu", block_size=BS,
               kv_cache_memory_bytes=24 * PER_BLOCK, max_num_batched_tokens=16, max_num_seqs=6)
     compiled = _compiled(lambda: LLMEngine(EngineConfig(**kw)))
+    assert compiled.model.compiled
     graphs = _unique_graphs()
     got, preempt, hits = _mixed_batch(compiled)
     assert _unique_graphs() == graphs, "a batch size recompiled after the warm-up"
@@ -103,5 +105,30 @@ def test_quantized_linears_compile(tiny_llama_dir, quantization):
             eng.add_request(f"q{i}", p, sp)
         return {r: o.outputs[0].token_ids for r, o in run_to_completion(eng).items()}
 
-    got = generate(_compiled(lambda: LLMEngine(EngineConfig(**kw))))
+    compiled = _compiled(lambda: LLMEngine(EngineConfig(**kw)))
+    assert compiled.model.compiled
+    got = generate(compiled)
+    assert got == generate(LLMEngine(EngineConfig(enforce_eager=True, **kw)))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_linears_compile(tiny_llama_dir):
+    """TP=2 over gloo: every rank compiles its layers (the row-parallel all-reduce inside the compiled
+    piece); the tokens equal the eager TP engine's."""
+    kw = dict(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory_bytes=4 << 20,
+              tensor_parallel_size=2, num_threads=1)
+    prompts = [[5, 6, 7, 8, 9], list(range(200, 231))]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def generate(eng):
+        try:
+            for i, p in enumerate(prompts):
+                eng.add_request(f"t{i}", p, sp)
+            return {r: o.outputs[0].token_ids for r, o in run_to_completion(eng).items()}
+        finally:
+            eng.shutdown()
+
+    compiled = _compiled(lambda: LLMEngine(EngineConfig(**kw)))
+    assert compiled.model.compiled
+    got = generate(compiled)
     assert got == generate(LLMEngine(EngineConfig(enforce_eager=True, **kw)))

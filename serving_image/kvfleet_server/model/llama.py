@@ -139,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         self.init_rope(max_positions or cfg.max_position_embeddings)
         #: (pre-attention, post-attention) callables of every layer: eager, or compiled (model/compile.py)
         self.pieces = (layer_pre_attention, layer_post_attention)
+        self.compiled = False
 
     def init_rope(self, max_positions: int, device=None) -> None:
         """(Re)build the float32 cos/sin tables for positions [0, max_positions) on ``device``.
