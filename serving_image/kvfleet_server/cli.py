@@ -76,6 +76,11 @@ def _json_arg(text: str) -> dict:
     return value
 
 
+def _compilation_arg(text: str) -> dict:
+    """vLLM's --compilation-config: a level (``-O3``) or a JSON object (``{"level": 3}``)."""
+    return {"level": int(text)} if text.strip().isdigit() else _json_arg(text)
+
+
 def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -185,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split long prefills into chunks of --max-num-batched-tokens (always on in kvfleet; "
                         "--no-enable-chunked-prefill is refused)")
     e.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs (vLLM's flag): decode steps on CUDA otherwise replay graphs captured at "
-                        "batch sizes 1, 2, 4, 8, 16, 24, ... up to --max-num-seqs (capped at 512)")
+                   help="run the model eagerly (vLLM's flag): no torch.compile of the decoder layers and no CUDA "
+                        "graphs (decode steps on CUDA otherwise replay graphs captured at batch sizes 1, 2, 4, 8, 16, "
+                        "24, ... up to --max-num-seqs, capped at 512); starts faster, steps slower")
     e.add_argument("--attention-backend", default=_engine_default("attention_backend"),
                    choices=["auto", "torch", "triton"],
                    help="kvfleet's flag (vLLM uses the VLLM_ATTENTION_BACKEND environment variable): auto = the "
@@ -204,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the model's head counts must split, see docs/tensor_parallel.md)")
     e.add_argument("--pipeline-parallel-size", "-pp", type=_positive_int, default=1,
                    help="number of pipeline stages (only 1)")
+    e.add_argument("--compilation-config", "-O", type=_compilation_arg, default=None,
+                   help='torch.compile of the decoder layers (vLLM\'s flag): -O3 / {"level": 3} piecewise around '
+                        'attention, -O0 / {"level": 0} eager; default 3 on CUDA, 0 on the CPU (measured: no gain there)')
     e.add_argument("--speculative-config", type=_json_arg, default=None,
                    help='speculative decoding, JSON (e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
                         'refused: not supported yet)')
@@ -252,7 +261,8 @@ ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_mem
                  "kv_cache_memory_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
                  "speculative_config", "seed", "num_threads", "max_logprobs",
-                 "structured_outputs_config", "enable_jump_forward", "attention_backend", "enforce_eager")
+                 "structured_outputs_config", "enable_jump_forward", "attention_backend", "enforce_eager",
+                 "compilation_config")
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:

@@ -210,8 +210,10 @@ def test_acceptance_cut_off_stops_drafting_that_does_not_pay(tiny_engine_factory
     assert not g.open(8) and g.open(9)
     g.update(9, 3, 0)
     assert not g.open(24) and g.open(25)
-    g.update(25, 3, 3)  # a probe that pays resets the back-off
-    assert g.open(26) and g.backoff == DraftGate.FIRST_BACKOFF
+    g.update(25, 1, 1)  # a probe that pays brings the drafts back; a full verification that pays resets the back-off
+    assert g.open(26) and g.num_drafts(3) == 3 and g.backoff == 32
+    g.update(26, 3, 3)
+    assert g.backoff == DraftGate.FIRST_BACKOFF
 
     plain = tiny_engine_factory()
     eng = tiny_engine_factory(speculative_config=_spec("draft_model", tiny_qwen2_dir))

@@ -15,6 +15,7 @@ captured once the pool exists.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -172,3 +173,19 @@ def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = 
         runner.graphs = DecodeGraphs(runner, sizes, min(max_blocks_per_seq(model, bs), num_blocks))
         runner.graphs.capture()
     return runner, num_blocks
+
+
+def compile_model(config: EngineConfig, model, tp: TPGroup) -> None:
+    """At compilation level 3 (``EngineConfig.resolved_compilation_level``; not with ``KVFLEET_ENFORCE_EAGER=1``
+    in the environment: the test suite's default, which builds hundreds of short-lived engines): torch.compile
+    the decoder layers piecewise and warm them up (``model/compile.py``). Collective under tensor
+    parallelism: every rank calls it after loading (the workers inherit the environment)."""
+    if config.resolved_compilation_level() == 0 or os.environ.get("KVFLEET_ENFORCE_EAGER") == "1":
+        return
+    from ..model.compile import compile_cache_dir, compile_layers, warm_up
+
+    compile_layers(model)
+    dev = tp.device if tp.is_parallel else torch.device(config.resolved_device())
+    seconds = warm_up(model, config.resolved_dtype(), dev)
+    logger.info("torch.compile of the decoder layers: %.1fs (cache %s; --enforce-eager skips it)", seconds,
+                compile_cache_dir())

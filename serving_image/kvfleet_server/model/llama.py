@@ -78,18 +78,36 @@ class DecoderLayer(nn.Module):
                                 prefix=pre + "down_proj", tp=tp, row_slice=row.get("down"))
 
     def forward(self, h, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
-        T = h.shape[0]
-        x = self.input_layernorm(h)
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
+        """One layer, eagerly: ``layer_pre_attention`` → attention backend → ``layer_post_attention``."""
+        q, k, v = layer_pre_attention(self, h, cos, sin)
         attn = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, kv_scales=kv_cache[2])
-        h = h + self.o_proj(attn.reshape(T, self.q_size))
-        x = self.post_attention_layernorm(h)
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        return layer_post_attention(self, h, attn)
+
+
+# A layer is two pieces around its attention call, so that ``model/compile.py`` can hand each to
+# torch.compile (Inductor) while the paged attention backend stays an eager, pluggable call (vLLM's
+# piecewise compilation). ``LlamaForCausalLM.pieces`` holds the pair the forward pass uses: these
+# functions (eager), or their compiled versions.
+def layer_pre_attention(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """h [T, hidden] → q [T, heads, head_dim], k, v [T, kv_heads, head_dim]: RMSNorm → fused qkv
+    projection → RoPE of one layer."""
+    T = h.shape[0]
+    x = layer.input_layernorm(h)
+    qkv = layer.qkv_proj(x)
+    q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+    q = apply_rope(q.view(T, layer.num_heads, layer.head_dim), cos, sin)
+    k = apply_rope(k.view(T, layer.num_kv_heads, layer.head_dim), cos, sin)
+    v = v.reshape(T, layer.num_kv_heads, layer.head_dim)
+    return q, k, v
+
+
+def layer_post_attention(layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Residual h [T, hidden] and attention output [T, heads, head_dim] → next residual [T, hidden]:
+    o_proj + residual → RMSNorm → SwiGLU MLP + residual of one layer."""
+    h = h + layer.o_proj(attn.reshape(h.shape[0], layer.q_size))
+    x = layer.post_attention_layernorm(h)
+    gate, up = layer.gate_up_proj(x).split(layer.intermediate_size, dim=-1)
+    return h + layer.down_proj(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -119,6 +137,9 @@ class LlamaForCausalLM(nn.Module):
             cfg.hidden_size, cfg.vocab_size, quant_method=qc.lm_head_method(), prefix="lm_head", tp=tp,
             column_slices=[(first, end - first)] if tp.is_parallel else None)
         self.init_rope(max_positions or cfg.max_position_embeddings)
+        #: (pre-attention, post-attention) callables of every layer: eager, or compiled (model/compile.py)
+        self.pieces = (layer_pre_attention, layer_post_attention)
+        self.compiled = False
 
     def init_rope(self, max_positions: int, device=None) -> None:
         """(Re)build the float32 cos/sin tables for positions [0, max_positions) on ``device``.
@@ -153,8 +174,11 @@ class LlamaForCausalLM(nn.Module):
         cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)
         sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        pre, post = self.pieces
         for layer, kv in zip(layers, kv_caches):
-            h = layer(h, cos, sin, kv, meta, backend)
+            q, k, v = pre(layer, h, cos, sin)
+            attn = backend.forward(q, k, v, kv[0], kv[1], meta, layer.scale, kv_scales=kv[2])
+            h = post(layer, h, attn)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

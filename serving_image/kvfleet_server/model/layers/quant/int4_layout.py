@@ -57,9 +57,7 @@ def dequantize(layer, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return matmul(layer, eye).t().to(dtype)
     nib = layer.qweight
     N = nib.shape[0]
-    q = torch.empty(N, nib.shape[1], 2, dtype=torch.uint8, device=nib.device)
-    torch.bitwise_and(nib, 15, out=q[..., 0])
-    torch.bitwise_right_shift(nib, 4, out=q[..., 1])
+    q = torch.stack((nib & 15, nib >> 4), dim=-1)  # [N, Kp / 2, 2]: low nibble first (no out=: traceable)
     w = q.view(N, -1, GROUP).to(torch.float32)
     w = w.mul_(layer.scales[..., None]).add_(layer.mins[..., None]).view(N, -1)
     return w.to(dtype)

@@ -1,0 +1,87 @@
+"""Start-up time of kvfleet-server: launch → /health 200 for the bundled model, three ways, in one run.
+
+- cold: torch.compile'd layers with an empty compile cache (a fresh ``TORCHINDUCTOR_CACHE_DIR``);
+- warm: compiled, with the cache the cold start filled (a restart);
+- eager: ``--enforce-eager`` (no compilation).
+
+The modes alternate for ``--repeats`` rounds (each cold round gets its own empty cache); the median of
+each is printed and written to benchmarks/results/startup.json. Targets of issue 16: warm ≤ 10 s,
+cold ≤ 60 s, eager ≤ 6 s.
+
+    python benchmarks/startup.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_to_health(args: list[str], env: dict, timeout: float = 600.0) -> float:
+    """Seconds from spawning the server to its first /health 200; the server is stopped after."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvfleet_server.cli", "--host", "127.0.0.1", "--port", str(port), *args]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **env})
+    try:
+        while time.monotonic() - t0 < timeout:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"not healthy after {timeout}s")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    base = ["--model", args.model, "--dtype", "float32"]
+    times: dict[str, list[float]] = {"cold": [], "warm": [], "eager": []}
+    env = {"KVFLEET_ENFORCE_EAGER": "0"}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.repeats):
+            cache = os.path.join(tmp, f"cache{r}")
+            compiled = base + ["-O3"]  # the CPU's default is eager (level 0)
+            times["cold"].append(time_to_health(compiled, env | {"TORCHINDUCTOR_CACHE_DIR": cache}))
+            times["warm"].append(time_to_health(compiled, env | {"TORCHINDUCTOR_CACHE_DIR": cache}))
+            times["eager"].append(time_to_health(base + ["--enforce-eager"], env))
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}s" for k, v in times.items()), flush=True)
+    res = {"model": args.model, "repeats": args.repeats, "seconds": times, "loadavg": os.getloadavg(),
+           "median_s": {k: statistics.median(v) for k, v in times.items()},
+           "targets_s": {"warm": 10, "cold": 60, "eager": 6}}
+    print("median launch → /health 200: " + ", ".join(f"{k} {v:.1f}s" for k, v in res["median_s"].items()))
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "startup.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
