@@ -62,29 +62,36 @@ def run_method(name, src, overrides, args, windows, prompts, ref):
     eng.kv.pool.reset_prefix_cache()
     r["perplexity"] = perplexity(scores)
     greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    toks = None
+    if not args.accuracy_only:
+        r.update(_throughput(llm, eng, greedy, prompts, args))
+        toks = r.pop("tokens")
+    if ref is not None:
+        ch = loglik_change(scores, ref["scores"])
+        r["perplexity_change_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
+        r["loglik_change"] = {"mean": ch.mean, "mean_abs": ch.mean_abs, "max_abs": ch.max_abs}
+        if toks is not None:
+            r["greedy"] = greedy_agreement(toks, ref["tokens"])
+    del llm, eng
+    return r, scores, toks
+
+
+def _throughput(llm, eng, greedy, prompts, args) -> dict:
+    """32 prompts × output_len greedy tokens (median of ``repeats``) and batch-1 decode of the first prompt."""
     runs = []
     for _ in range(args.repeats):
         eng.kv.pool.reset_prefix_cache()
         t = time.perf_counter()
         outs = llm.generate(prompts, greedy)
         runs.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t))
-    r["throughput_tok_s"] = statistics.median(runs)
-    r["throughput_runs"] = runs
-    toks = [o.outputs[0].token_ids for o in outs]
     one = []
     for _ in range(args.batch1_repeats):
         eng.kv.pool.reset_prefix_cache()
         t = time.perf_counter()
         o = llm.generate(prompts[0], greedy)[0]
         one.append(len(o.outputs[0].token_ids) / (time.perf_counter() - t))
-    r["batch1_tok_s"] = statistics.median(one)
-    if ref is not None:
-        ch = loglik_change(scores, ref["scores"])
-        r["perplexity_change_pct"] = 100 * (r["perplexity"] / ref["perplexity"] - 1)
-        r["loglik_change"] = {"mean": ch.mean, "mean_abs": ch.mean_abs, "max_abs": ch.max_abs}
-        r["greedy"] = greedy_agreement(toks, ref["tokens"])
-    del llm, eng
-    return r, scores, toks
+    return {"throughput_tok_s": statistics.median(runs), "throughput_runs": runs,
+            "batch1_tok_s": statistics.median(one), "tokens": [o.outputs[0].token_ids for o in outs]}
 
 
 def run_llama_cpp(gguf_path, prompts, output_len, threads):
@@ -110,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="runs of the 32-prompt batch per method (median)")
     ap.add_argument("--batch1-repeats", type=int, default=3, help="runs of the batch-1 decode per method (median)")
+    ap.add_argument("--accuracy-only", action="store_true",
+                    help="perplexity and log-likelihood only (no throughput, no greedy agreement)")
     ap.add_argument("--threads", type=int, default=1, help="engine threads (the test machine is shared)")
     ap.add_argument("--kv-bytes", type=int, default=64 << 20, help="kv_cache_memory_bytes for every method")
     ap.add_argument("--float-dir", default=None, help="reuse an exported float32 checkpoint directory")
@@ -140,12 +149,13 @@ def main(argv=None) -> int:
         print(json.dumps({k: v for k, v in r.items() if k not in ("greedy", "throughput_runs")}), flush=True)
         _write(args, prompts, results, None)  # partial results survive an interrupted run
     base = {r["method"]: r for r in results}
+    nan = float("nan")
     for r in results:
         for b in ("fp32", "bf16"):
-            if b in base:
+            if b in base and "throughput_tok_s" in r:
                 r[f"throughput_vs_{b}"] = r["throughput_tok_s"] / base[b]["throughput_tok_s"]
                 r[f"batch1_vs_{b}"] = r["batch1_tok_s"] / base[b]["batch1_tok_s"]
-    llama_cpp = run_llama_cpp(gguf, prompts, args.output_len, args.threads)
+    llama_cpp = None if args.accuracy_only else run_llama_cpp(gguf, prompts, args.output_len, args.threads)
     print(f"\n{'method':<13}{'act':>9}{'weights MiB':>12}{'KV blocks':>10}{'ppl':>8}{'Δppl %':>8}"
           f"{'Δll mean':>9}{'greedy ≡':>9}{'agree tok':>10}{'tok/s b32':>10}{'×fp32':>7}{'×bf16':>7}"
           f"{'tok/s b1':>9}{'×bf16':>7}")
@@ -154,9 +164,9 @@ def main(argv=None) -> int:
         print(f"{r['method']:<13}{r['activation_dtype']:>9}{r['weight_bytes'] / 2**20:>12.1f}{r['kv_blocks']:>10}"
               f"{r['perplexity']:>8.3f}{r.get('perplexity_change_pct', 0):>8.2f}"
               f"{r.get('loglik_change', {}).get('mean', 0):>9.4f}{g.get('identical', 1):>9.2f}"
-              f"{g.get('mean_tokens_until_divergence', args.output_len):>10.1f}{r['throughput_tok_s']:>10.1f}"
+              f"{g.get('mean_tokens_until_divergence', args.output_len):>10.1f}{r.get('throughput_tok_s', nan):>10.1f}"
               f"{r.get('throughput_vs_fp32', 1):>7.2f}{r.get('throughput_vs_bf16', float('nan')):>7.2f}"
-              f"{r['batch1_tok_s']:>9.1f}{r.get('batch1_vs_bf16', float('nan')):>7.2f}")
+              f"{r.get('batch1_tok_s', nan):>9.1f}{r.get('batch1_vs_bf16', float('nan')):>7.2f}")
     print("llama.cpp:", llama_cpp)
     _write(args, prompts, results, llama_cpp)
     print("wrote", args.out)

@@ -362,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         detail = ", ".join(f"{k} {v:.2f}s" for k, v in parts.items()) if isinstance(parts, dict) else ""
         logger.info("start-up: engine imports %.2fs, engine build %.2fs%s", t1 - t0, t2 - t1,
                     f" ({detail})" if detail else "")
+        from .memory import release_freed_heap, resident_bytes
+
+        before = resident_bytes()
+        if release_freed_heap() and before is not None:
+            logger.info("start-up: freed heap returned to the OS: RSS %.0f MB -> %.0f MB", before / 1e6,
+                        (resident_bytes() or 0) / 1e6)
         return llm
 
     state = ServerState(settings, engine_factory=factory)

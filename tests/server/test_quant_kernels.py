@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from kvfleet_server.model.layers.linear import Linear
 from kvfleet_server.model.layers.quant import int4_layout
-from kvfleet_server.model.layers.quant.fp8 import Fp8LinearMethod
+from kvfleet_server.model.layers.quant.fp8 import Fp8LinearMethod, upcast
 from kvfleet_server.model.layers.quant.gguf import GGUFLinearMethod, GGUFTensor, unpack_blocks
 from kvfleet_server.model.layers.quant.int4 import Int4LinearMethod
 from kvfleet_server.model.layers.quant.int8 import Int8LinearMethod
@@ -126,6 +126,16 @@ def test_fp8_weight_only_matches_dequantized_reference(T, K, N, act):
     with torch.inference_mode():
         y = layer(x)
     assert _rel(y, F.linear(x.float(), deq, b)) < _tol(act) * (3 if act != torch.float32 else 1)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("act", ACT)
+def test_fp8_lookup_table_upcast_equals_torch_cast(fp8, act):
+    """The CPU lookup-table upcast gives torch's cast for every one of the 256 codes (NaN codes too)."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(3).view(24, 32).view(fp8)
+    got, want = upcast(codes, act), codes.to(act)
+    assert got.dtype == act and got.shape == codes.shape
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(0), want.nan_to_num(0))
 
 
 def test_fused_shards_keep_their_rows_and_scales():

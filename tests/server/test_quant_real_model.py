@@ -5,11 +5,14 @@ change, greedy agreement. Kept small for the suite (2 windows × 256 tokens, 8 p
 benchmarks/quantization.py measures the full set (docs/quantization.md).
 
 Targets (issue 11): fp8 weights ≤ +2% perplexity, fp8 KV cache ≤ +1%, int8 ≤ +1%; the packed GGUF
-in float32 gives the dequantized path's log-probs within 1e-3 (measured: identical). On these windows
-fp8 weights measured +3.0% and the fp8 KV cache +1.8%: those two targets are NOT met, and their bounds
-below are the measured values with a margin (regression guards, not the issue's targets). Also asserted,
-kvfleet's own bounds from the measurements: int4 ≤ +5% (a second 4-bit rounding of Q4_1 weights),
-packed GGUF with bfloat16 activations (the default) ≤ +1%.
+in float32 gives the dequantized path's log-probs within 1e-3 (measured: identical). int8 and the packed
+GGUF are asserted at the issue's targets. fp8 weights (+3.0% here; +2.1% on 4 × 1024 and 8 × 1024
+windows) and the fp8 KV cache (+1.8% here; +1.4% on 4 × 1024) do NOT meet theirs: the cause is e4m3's
+3-bit mantissa (relative weight error 10× int8's per-channel rounding; the scale choice cannot change a
+float format's relative rounding), measured in docs/quantization.md. Their bounds below are the
+measured values with a margin: regression guards, not the issue's targets. Also asserted, kvfleet's
+own bounds from the measurements: int4 ≤ +5% (a second 4-bit rounding of Q4_1 weights), packed GGUF
+with bfloat16 activations (the default) ≤ +1%.
 """
 
 from __future__ import annotations
@@ -61,10 +64,12 @@ def reference(float_dir, windows):
 
 CASES = {
     # name: (source, overrides, max perplexity change, (min, max) weight bytes)
-    "fp8": ("float", dict(quantization="fp8"), 0.04, (218e6, 223e6)),  # measured +3.0%: issue target +2% missed  # float32 embedding + 1 B/weight + scales
+    # fp8: float32 embedding + 1 B/weight + scales; measured +3.0%: the issue's +2% is missed (see above)
+    "fp8": ("float", dict(quantization="fp8"), 0.04, (218e6, 223e6)),
     "int8": ("float", dict(quantization="int8"), 0.01, (160e6, 166e6)),  # bfloat16 embedding + 1 B/weight
     "int4": ("float", dict(quantization="int4"), 0.05, (110e6, 125e6)),
-    "kv-fp8": ("float", dict(dtype="float32", kv_cache_dtype="fp8"), 0.025, (4 * N_PARAMS, 4 * N_PARAMS)),  # +1.8%
+    # measured +1.8%: the issue's +1% is missed (see above)
+    "kv-fp8": ("float", dict(dtype="float32", kv_cache_dtype="fp8"), 0.025, (4 * N_PARAMS, 4 * N_PARAMS)),
     "gguf": ("gguf", dict(), 0.01, (90e6, 100e6)),  # the default for the .gguf: packed, bfloat16
 }
 
@@ -81,6 +86,7 @@ def test_method_memory_and_accuracy_against_float32(name, float_dir, gguf_path, 
         proj = llm.engine.model.layers[0].qkv_proj
         assert proj.qweight.dtype == torch.float8_e4m3fn and proj.weight_scale.shape == (proj.output_size,)
         assert llm.engine.model.embed_tokens.weight.dtype == torch.float32  # embeddings / lm_head: model dtype
+        assert llm.engine.dtype == torch.float32  # fp8 weights, float32 activations: compared with float32
     scores, toks = _run(llm, windows)
     ppl = perplexity(scores)
     assert ppl <= reference["ppl"] * (1 + max_ppl), (ppl, reference["ppl"])

@@ -7,7 +7,10 @@ Matmul:
   scales ("row-wise" scaling, bfloat16 output); used when K and N are multiples of 16, else weight-only.
   UNTESTED on a GPU in this repository (no GPU was available when it was written).
 - elsewhere, weight-only: FP8 storage (half of bf16's bytes, a quarter of fp32's), upcast to the
-  activation dtype per matmul, then y · s. The engine logs which path a run takes.
+  activation dtype per matmul, then y · s. The engine logs which path a run takes. On the CPU the
+  upcast is a 256-entry lookup table (every e4m3 code's value in the activation dtype) gathered over
+  the weight's bytes: exact, and 3× faster than torch's float8 → float cast, which the CPU does one
+  element at a time (measured 15 ms vs 50 ms for a 3072×576 weight, one thread).
 Following vLLM's Fp8LinearMethod for unquantized checkpoints (dynamic scheme), with per-channel
 instead of per-tensor weight scales.
 """
@@ -56,8 +59,22 @@ class Fp8LinearMethod(QuantMethod):
     def apply(self, layer, x, bias):
         if layer.fp8_scaled_mm:
             return _scaled_mm_rowwise(x, layer.qweight, layer.weight_scale, bias)
-        y = F.linear(x, layer.qweight.to(x.dtype)) * layer.weight_scale.to(x.dtype)
+        y = F.linear(x, upcast(layer.qweight, x.dtype)) * layer.weight_scale.to(x.dtype)
         return y if bias is None else y + bias
+
+
+_LUTS: dict[tuple[torch.dtype, torch.dtype], torch.Tensor] = {}
+
+
+def upcast(w8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """w8 [N, K] float8 → [N, K] ``dtype``, the same values as ``w8.to(dtype)``. On the CPU through a
+    lookup table of the 256 codes indexed by the weight's bytes (int32 indices for ``index_select``)."""
+    if w8.device.type != "cpu":
+        return w8.to(dtype)
+    lut = _LUTS.get((w8.dtype, dtype))
+    if lut is None:
+        lut = _LUTS[(w8.dtype, dtype)] = torch.arange(256, dtype=torch.uint8).view(w8.dtype).to(dtype)
+    return lut.index_select(0, w8.view(torch.uint8).view(-1).to(torch.int32)).view(w8.shape)
 
 
 def _scaled_mm_rowwise(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
