@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     base = ["--model", args.model, "--dtype", "float32"]
     times: dict[str, list[float]] = {"cold": [], "warm": [], "eager": []}
-    env = {"KVFLEET_ENFORCE_EAGER": "0"}
+    env: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
             cache = os.path.join(tmp, f"cache{r}")

@@ -6,7 +6,7 @@
   preemption, chunked prefill, greedy and seeded sampling, n > 1): compiled == eager request by request;
 - the quantized linears (int8, int4) compile too: compiled == eager.
 
-The suite runs engines eagerly (tests/conftest.py sets KVFLEET_ENFORCE_EAGER=1); these tests lift it
+On the CPU engines run eagerly by default (compilation level 0); these tests ask for level 3
 while they build their compiled engines. Each compiled engine is built once per module.
 """
 
@@ -27,9 +27,7 @@ PER_BLOCK = BS * 2 * 2 * 2 * 16 * 4  # bytes of one block of the tiny Llama (flo
 O3 = {"level": 3}  # on the CPU the default is eager (level 0): these tests ask for compilation
 
 def _compiled(build):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("KVFLEET_ENFORCE_EAGER", raising=False)
-        return build()
+    return build()
 
 
 def _unique_graphs() -> int:

@@ -40,6 +40,7 @@ from .scheduler import DraftGate, Request, ScheduledSeq, Scheduler, Sequence, Se
 from ..stats import IterationStats, SchedulerStats
 from ..model.tokenizer import Tokenizer
 from ..spec_decode import build_proposer
+from ..spec_decode.proposer import break_even_acceptance
 from ..spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("kvfleet.engine")
@@ -152,8 +153,6 @@ class LLMEngine:
         sc = self.spec_config
         spec_kw = {}
         if sc is not None:
-            from ..spec_decode.proposer import break_even_acceptance
-
             be = break_even_acceptance(self.proposer.draft_cost, self.device)
             cut = max(DraftGate.MIN_ACCEPTANCE, be) if sc.min_acceptance is None else sc.min_acceptance
             k = sc.num_speculative_tokens if cut < 1 else 0

@@ -15,7 +15,6 @@ captured once the pool exists.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -176,11 +175,10 @@ def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = 
 
 
 def compile_model(config: EngineConfig, model, tp: TPGroup) -> None:
-    """At compilation level 3 (``EngineConfig.resolved_compilation_level``; not with ``KVFLEET_ENFORCE_EAGER=1``
-    in the environment: the test suite's default, which builds hundreds of short-lived engines): torch.compile
-    the decoder layers piecewise and warm them up (``model/compile.py``). Collective under tensor
-    parallelism: every rank calls it after loading (the workers inherit the environment)."""
-    if config.resolved_compilation_level() == 0 or os.environ.get("KVFLEET_ENFORCE_EAGER") == "1":
+    """At compilation level 3 (``EngineConfig.resolved_compilation_level``: the default on CUDA, ``-O3``
+    elsewhere): torch.compile the decoder layers piecewise and warm them up (``model/compile.py``).
+    Collective under tensor parallelism: every rank calls it after loading."""
+    if config.resolved_compilation_level() == 0:
         return
     from ..model.compile import compile_cache_dir, compile_layers, warm_up
 
