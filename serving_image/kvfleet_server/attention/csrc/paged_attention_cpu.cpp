@@ -1,0 +1,230 @@
+// Paged attention on the CPU, reading K/V in place through block tables (no gather, no padding).
+//
+// One work item = one query row x one kv head: the row's G = num_heads / num_kv_heads query heads
+// share every K/V load (GQA). Scores over the row's visible keys are computed block by block into a
+// thread-local buffer, soft-maxed in float32, then V is accumulated in float32 — the two-pass form of
+// vLLM's CPU paged attention (PagedAttention, Kwon et al. 2023). Work items are spread over torch's
+// own OpenMP pool with at::parallel_for, so the kernel respects torch.set_num_threads.
+//
+// Registered as torch.ops.kvfleet.paged_attention_cpu (an opaque op for torch.compile).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// float32 view of one token's head_dim values: a float32 cache is read in place, other dtypes are
+// converted into the scratch row (fp8 through a 256-entry table, cheaper than bit decoding).
+template <typename T>
+struct Loader {
+  explicit Loader(float) {}
+  inline const float* row(const T* p, float* scratch, int64_t D) const {
+    for (int64_t d = 0; d < D; ++d) scratch[d] = static_cast<float>(p[d]);
+    return scratch;
+  }
+};
+
+template <>
+struct Loader<float> {
+  explicit Loader(float) {}
+  inline const float* row(const float* p, float*, int64_t) const { return p; }
+};
+
+template <typename F8>
+struct Fp8Loader {
+  float lut[256];
+  explicit Fp8Loader(float scale) {
+    for (int b = 0; b < 256; ++b) {
+      const uint8_t byte = static_cast<uint8_t>(b);
+      F8 f;
+      std::memcpy(&f, &byte, 1);
+      const float x = static_cast<float>(f);
+      lut[b] = std::isfinite(x) ? x * scale : 0.0f;  // NaN codes never written (values are clamped)
+    }
+  }
+  inline const float* row(const uint8_t* p, float* scratch, int64_t D) const {
+    for (int64_t d = 0; d < D; ++d) scratch[d] = lut[p[d]];
+    return scratch;
+  }
+};
+
+// Prefetch one token's head_dim values (64-byte lines).
+template <typename c_t>
+inline void prefetch_row(const c_t* p, int64_t D) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(c_t)); b += 64) __builtin_prefetch(c + b);
+}
+
+template <typename q_t, typename c_t, typename load_t>
+void attend(at::Tensor& out, const at::Tensor& q, const c_t* k_base, const c_t* v_base,
+            const at::Tensor& k_cache, const at::Tensor& tables, const at::Tensor& rows,
+            const at::Tensor& row_seq, const at::Tensor& row_len, double scale, const load_t& load_k,
+            const load_t& load_v) {
+  const int64_t R = rows.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t G = H / KVH, W = tables.size(1);
+  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), o_s0 = out.stride(0), o_s1 = out.stride(1);
+  const int64_t tok_stride = KVH * D, blk_stride = BS * KVH * D;
+  const q_t* qp = q.data_ptr<q_t>();
+  q_t* op = out.data_ptr<q_t>();
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  const int64_t* rs = row_seq.data_ptr<int64_t>();
+  const int64_t* rl = row_len.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+
+  // fn(t, row) for the first L tokens of a block table, row = kv head kh's head_dim values as float32;
+  // the next block is prefetched while one is read
+  auto for_each_token = [&](const c_t* base, const int64_t* table, int64_t L, int64_t kh, const load_t& load,
+                            float* scratch, auto&& fn) {
+    for (int64_t t0 = 0; t0 < L; t0 += BS) {
+      const c_t* blk = base + table[t0 / BS] * blk_stride + kh * D;
+      const c_t* next = t0 + BS < L ? base + table[t0 / BS + 1] * blk_stride + kh * D : nullptr;
+      const int64_t n = std::min(BS, L - t0);
+      for (int64_t o = 0; o < n; ++o) {
+        if (next) prefetch_row(next + o * tok_stride, D);
+        fn(t0 + o, load.row(blk + o * tok_stride, scratch, D));
+      }
+    }
+  };
+
+  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, qf(G * D), acc(G * D), kf(D), vf(D), inv_sum(G);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / KVH, kh = item % KVH;
+      const int64_t row = rw[r], L = rl[r];
+      const int64_t* table = tab + rs[r] * W;
+      scores.resize(G * L);
+      for (int64_t g = 0; g < G; ++g) {
+        const q_t* src = qp + row * q_s0 + (kh * G + g) * q_s1;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(src[d]) * sc;
+      }
+      // pass 1: scores[g][t] = q_g . k_t over the visible keys
+      for_each_token(k_base, table, L, kh, load_k, kf.data(), [&](int64_t t, const float* kt) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qg[d] * kt[d];
+          scores[g * L + t] = s;
+        }
+      });
+      // softmax per query head (float32, max-subtracted)
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * L;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) {
+          sg[t] = std::exp(sg[t] - m);
+          sum += sg[t];
+        }
+        inv_sum[g] = 1.f / sum;
+      }
+      // pass 2: acc[g] = sum_t p[g][t] v_t
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_token(v_base, table, L, kh, load_v, vf.data(), [&](int64_t t, const float* vt) {
+        for (int64_t g = 0; g < G; ++g) {
+          const float w = scores[g * L + t];
+          float* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += w * vt[d];
+        }
+      });
+      for (int64_t g = 0; g < G; ++g) {
+        q_t* dst = op + row * o_s0 + (kh * G + g) * o_s1;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[g * D + d] * inv_sum[g]);
+      }
+    }
+  });
+}
+
+template <typename q_t>
+void dispatch_cache(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& tables, const at::Tensor& rows, const at::Tensor& row_seq,
+                    const at::Tensor& row_len, double scale, double k_scale, double v_scale) {
+  const auto ct = k_cache.scalar_type();
+  if (ct == at::kFloat8_e4m3fn || ct == at::kFloat8_e5m2) {
+    const auto* kb = reinterpret_cast<const uint8_t*>(k_cache.data_ptr());
+    const auto* vb = reinterpret_cast<const uint8_t*>(v_cache.data_ptr());
+    if (ct == at::kFloat8_e4m3fn) {
+      Fp8Loader<c10::Float8_e4m3fn> lk(k_scale), lv(v_scale);
+      attend<q_t, uint8_t>(out, q, kb, vb, k_cache, tables, rows, row_seq, row_len, scale, lk, lv);
+    } else {
+      Fp8Loader<c10::Float8_e5m2> lk(k_scale), lv(v_scale);
+      attend<q_t, uint8_t>(out, q, kb, vb, k_cache, tables, rows, row_seq, row_len, scale, lk, lv);
+    }
+  } else if (ct == at::kFloat) {
+    Loader<float> l(1.f);
+    attend<q_t, float>(out, q, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), k_cache, tables, rows,
+                       row_seq, row_len, scale, l, l);
+  } else if (ct == at::kBFloat16) {
+    Loader<c10::BFloat16> l(1.f);
+    attend<q_t, c10::BFloat16>(out, q, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(),
+                               k_cache, tables, rows, row_seq, row_len, scale, l, l);
+  } else if (ct == at::kHalf) {
+    Loader<c10::Half> l(1.f);
+    attend<q_t, c10::Half>(out, q, k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>(), k_cache,
+                           tables, rows, row_seq, row_len, scale, l, l);
+  } else {
+    TORCH_CHECK(false, "paged_attention_cpu: unsupported KV cache dtype ", ct);
+  }
+}
+
+// out, q: [T, num_heads, head_dim] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size,
+// num_kv_heads, head_dim] contiguous; tables: [S, W] int64 block ids; rows, row_seq, row_len: [R] int64 —
+// row rows[r] of q/out attends the first row_len[r] tokens of sequence row_seq[r]'s block table.
+// k_scale, v_scale multiply an FP8 cache's stored values (1 otherwise).
+void paged_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                         const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& rows,
+                         const at::Tensor& row_seq, const at::Tensor& row_len, double scale, double k_scale,
+                         double v_scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_attention_cpu runs on the CPU");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
+              "head_dim must match and num_heads be a multiple of num_kv_heads");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q and out need a contiguous head_dim");
+  for (const auto* t : {&tables, &rows, &row_seq, &row_len})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors must be contiguous int64");
+  TORCH_CHECK(tables.dim() == 2 && rows.size(0) == row_seq.size(0) && rows.size(0) == row_len.size(0),
+              "tables must be [S, W] and rows, row_seq, row_len [R]");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q must share a dtype");
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      dispatch_cache<float>(out, q, k_cache, v_cache, tables, rows, row_seq, row_len, scale, k_scale, v_scale);
+      break;
+    case at::kBFloat16:
+      dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, tables, rows, row_seq, row_len, scale, k_scale,
+                                    v_scale);
+      break;
+    case at::kHalf:
+      dispatch_cache<c10::Half>(out, q, k_cache, v_cache, tables, rows, row_seq, row_len, scale, k_scale,
+                                v_scale);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_attention_cpu: unsupported query dtype ", q.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvfleet, m) {
+  m.def(
+      "paged_attention_cpu(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
+      "Tensor rows, Tensor row_seq, Tensor row_len, float scale, float k_scale, float v_scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kvfleet, CPU, m) { m.impl("paged_attention_cpu", &paged_attention_cpu); }
