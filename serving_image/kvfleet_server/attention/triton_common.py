@@ -65,6 +65,18 @@ def load_kv_tile(cache_ptr, bt_row_ptr, tok, tok_mask, kvh, offs_d, d_mask, scal
 
 
 @triton.jit
+def load_kv_tiles(kc_ptr, vc_ptr, bt_row_ptr, tok, tok_mask, kvh, offs_d, d_mask, k_scale, v_scale,
+                  stride_cb, stride_cs, stride_ch,
+                  BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_TYPE: tl.constexpr):
+    """The K and V tiles (``load_kv_tile`` of each cache with its scale): two [N, D_PAD] float32."""
+    k = load_kv_tile(kc_ptr, bt_row_ptr, tok, tok_mask, kvh, offs_d, d_mask, k_scale,
+                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
+    v = load_kv_tile(vc_ptr, bt_row_ptr, tok, tok_mask, kvh, offs_d, d_mask, v_scale,
+                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
+    return k, v
+
+
+@triton.jit
 def load_kv_scales(scales_ptr, FP8: tl.constexpr):
     """The layer's (k_scale, v_scale): float32 [2] at ``scales_ptr`` for an FP8 cache, (1.0, 1.0) for a
     cache in the model dtype (``scales_ptr`` is then not read)."""

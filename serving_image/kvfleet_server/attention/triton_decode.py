@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import (INTERPRETED, cache_view, fp8_kind, load_kv_scales, load_kv_tile, padded_head_dim,
+from .triton_common import (INTERPRETED, cache_view, fp8_kind, load_kv_scales, load_kv_tiles, padded_head_dim,
                             tile_dot)
 
 
@@ -60,10 +60,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, scales_ptr, o_p
     for s0 in range(start, end, BLOCK_N):
         tok = s0 + tl.arange(0, BLOCK_N)
         tok_mask = tok < end
-        k = load_kv_tile(kc_ptr, bt_row, tok, tok_mask, kvh, offs_d, d_mask, k_scale,
-                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
-        v = load_kv_tile(vc_ptr, bt_row, tok, tok_mask, kvh, offs_d, d_mask, v_scale,
-                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
+        k, v = load_kv_tiles(kc_ptr, vc_ptr, bt_row, tok, tok_mask, kvh, offs_d, d_mask, k_scale, v_scale,
+                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
         s = tile_dot(q, k, q.dtype, IEEE, True)
         s = tl.where(tok_mask[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
