@@ -128,13 +128,13 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     if obj["metadata"].get("deletionTimestamp"):
         return {}  # being deleted: the garbage collector removes the children, nothing to reconcile
     spec = render.parse_spec(obj)
-    render.render(obj, defaults=SERVING_DEFAULTS)  # surfaces Unrealisable before any request
+    children = render.render(obj, defaults=SERVING_DEFAULTS)  # surfaces Unrealisable before any request
     uid = obj["metadata"].get("uid")
     live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
     live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \
         if spec.autoscaling.enabled else None
     replicas = render.desired_replicas(spec, live_replicas, (obj.get("status") or {}).get("desiredReplicas"))
-    children = render.render(obj, replicas, SERVING_DEFAULTS)
+    children = render.with_replicas(children, replicas)
     desired = {"deployment": children.deployment, "service": children.service, "pdb": children.pdb}
     ours = {kind: body is not None and (apply.controlled_by(body, uid) or _adoptable(body, name))
             for kind, body in live.items()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pydantic
@@ -142,6 +142,17 @@ def desired_replicas(spec: api.InferenceServiceSpec, live_replicas: int | None,
     current = live_replicas if live_replicas is not None else status_desired
     current = auto.min_replicas if current is None else current
     return max(auto.min_replicas, min(auto.max_replicas or auto.min_replicas, current))
+
+
+def with_replicas(children: "Children", replicas: int) -> "Children":
+    """A copy of ``children`` (a ``render(obj)`` result) with the Deployment scaled to ``replicas``.
+
+    Equal to ``render(obj, replicas)`` for every count ``desired_replicas`` returns: only the Deployment's
+    replicas depend on the live count (the PDB follows maxReplicas with autoscaling; without it,
+    ``desired_replicas`` is spec.replicas whatever the live count). So a reconcile renders once, before
+    it reads the live children, and scales after."""
+    dep = children.deployment
+    return replace(children, deployment={**dep, "spec": {**dep["spec"], "replicas": replicas}})
 
 
 # --------------------------------------------------------------------------------- model sources

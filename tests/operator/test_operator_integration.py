@@ -23,6 +23,17 @@ def cond(obj: dict | None, type_: str) -> dict:
     return next((c for c in ((obj or {}).get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
+async def wait_condition(api, name: str, type_: str, **fields: str) -> dict:
+    """InferenceService ``default/name`` once its ``type_`` condition has ``fields`` (``status="True"``,
+    ``reason=...``); AssertionError (naming the wait) after wait_for's timeout."""
+    async def condition_met():
+        o = await api.get(AV, PL, "default", name)
+        c = cond(o, type_)
+        return o if all(c.get(k) == v for k, v in fields.items()) else None
+    condition_met.__name__ = f"{name}: {type_} {fields}"
+    return await wait_for(condition_met)
+
+
 async def test_a_sample_the_server_would_refuse_is_degraded_and_creates_nothing(api, emulator):
     obj = sample("llama-3.1-8b-instruct-draft.yaml")
     obj["spec"]["engine"]["tensorParallelSize"] = 2  # speculative decoding with tensor parallelism: refused
@@ -30,10 +41,7 @@ async def test_a_sample_the_server_would_refuse_is_degraded_and_creates_nothing(
     async with running_operator():
         await api.create(AV, PL, "default", obj)
 
-        async def degraded():
-            o = await api.get(AV, PL, "default", name)
-            return o if cond(o, "Degraded").get("status") == "True" else None
-        live = await wait_for(degraded)
+        live = await wait_condition(api, name, "Degraded", status="True")
         c = cond(live, "Degraded")
         assert c["reason"] == "UnsupportedFeature"
         assert c["message"].startswith("spec.engine.speculative: ") and "not supported yet" in c["message"]
@@ -70,10 +78,7 @@ async def test_sample_creates_children_and_status(api, emulator):
                                     "updatedReplicas": 2, "readyReplicas": 2, "availableReplicas": 2}},
                         subresource="status")
 
-        async def ready():
-            o = await api.get(AV, PL, "default", name)
-            return o if cond(o, "Ready").get("status") == "True" else None
-        live = await wait_for(ready)
+        live = await wait_condition(api, name, "Ready", status="True")
         assert live["status"]["readyReplicas"] == 2 and cond(live, "Progressing")["status"] == "False"
 
         # change tensorParallelSize -> Deployment updated, observedGeneration follows generation
@@ -125,10 +130,7 @@ async def test_unrealisable_spec_is_degraded_and_creates_nothing(api, emulator):
     async with running_operator():
         await api.create(AV, PL, "default", obj)
 
-        async def degraded():
-            o = await api.get(AV, PL, "default", "from-s3")
-            return o if cond(o, "Degraded").get("status") == "True" else None
-        live = await wait_for(degraded)
+        live = await wait_condition(api, "from-s3", "Degraded", status="True")
         status_writes = _writes(emulator, PL, "status")
         passes = metrics.RECONCILES.labels(result="degraded")._value.get()
         # a permanent error: kopf does not retry (no new pass, no new status write while the spec is unchanged)
@@ -199,10 +201,7 @@ async def test_unbuilt_speculative_method_is_degraded_not_a_crash_looping_pod(ap
     async with running_operator():
         await api.create(AV, PL, "default", obj)
 
-        async def degraded():
-            o = await api.get(AV, PL, "default", "old-eagle3")
-            return o if cond(o, "Degraded").get("status") == "True" else None
-        live = await wait_for(degraded)
+        live = await wait_condition(api, "old-eagle3", "Degraded", status="True")
         await _settle()
         assert not [w for w in emulator.writes if w["resource"] == "deployments"]
     c = cond(live, "Degraded")
@@ -345,10 +344,7 @@ async def test_orphans_adopted_foreign_objects_refused_scale_subresource(api, em
         svc = await wait_for(adopted)
         assert svc["spec"]["ports"][0]["name"] == "http" and svc["metadata"]["labels"]["extra"] == "kept"
 
-        async def conflict():
-            o = await api.get(AV, PL, "default", "taken")
-            return o if cond(o, "Degraded").get("reason") == "ChildConflict" else None
-        live = await wait_for(conflict)
+        live = await wait_condition(api, "taken", "Degraded", reason="ChildConflict")
         assert "Deployment default/taken exists and is not controlled by this InferenceService" in \
             cond(live, "Degraded")["message"]
         assert (await api.get("apps/v1", "deployments", "default", "taken"))["spec"] == foreign["spec"]
@@ -356,10 +352,7 @@ async def test_orphans_adopted_foreign_objects_refused_scale_subresource(api, em
         # removing the object in the way is enough: the conflict is retried with backoff
         await api.delete("apps/v1", "deployments", "default", "taken")
 
-        async def resolved():
-            o = await api.get(AV, PL, "default", "taken")
-            return o if cond(o, "Degraded").get("status") == "False" else None
-        await wait_for(resolved)
+        await wait_condition(api, "taken", "Degraded", status="False")
         dep = await api.get("apps/v1", "deployments", "default", "taken")
         assert dep["metadata"]["ownerReferences"][0]["name"] == "taken"
 
@@ -383,10 +376,7 @@ async def test_child_refused_as_invalid_is_degraded_without_retries(api, emulato
     async with running_operator():
         await api.create(AV, PL, "default", obj)
 
-        async def degraded():
-            o = await api.get(AV, PL, "default", "smollm2")
-            return o if cond(o, "Degraded").get("reason") == "ChildInvalid" else None
-        live = await wait_for(degraded)
+        live = await wait_condition(api, "smollm2", "Degraded", reason="ChildInvalid")
         assert "the API server refused the Deployment: injected by the test (422)" in cond(live, "Degraded")["message"]
         passes = metrics.RECONCILES.labels(result="degraded")._value.get()
         await _settle()

@@ -250,6 +250,21 @@ def test_replicas_and_pdb():
     assert render.desired_replicas(spec, live_replicas=1, status_desired=None) == 2
 
 
+@pytest.mark.parametrize("spec", [{**HF, "replicas": 3}, {**HF, "replicas": 1},
+                                  {**HF, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}},
+                                  {**HF, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 1}}],
+                         ids=["fixed-3", "fixed-1", "autoscaled-1-4", "autoscaled-1-1"])
+def test_scaling_a_rendering_equals_rendering_at_that_count(spec):
+    """The reconcile renders once before reading the live Deployment, then scales with with_replicas."""
+    obj = isvc(spec, status={"desiredReplicas": 2})
+    parsed = render.parse_spec(obj)
+    base = render.render(obj)
+    for live in (None, 1, 2, 3, 7):
+        replicas = render.desired_replicas(parsed, live if parsed.autoscaling.enabled else None, 2)
+        assert render.with_replicas(base, replicas) == render.render(obj, replicas)
+    assert base == render.render(obj)  # with_replicas copies
+
+
 def test_invalid_spec_names_the_field():
     with pytest.raises(render.Unrealisable) as err:
         render.render(isvc({**HF, "engine": {"gpuMemoryUtilization": 1.5}}))

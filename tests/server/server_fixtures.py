@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import httpx
+import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -67,6 +71,23 @@ def start_server(args: list[str], log_path: str, ready_timeout: float = 120.0, e
     raise RuntimeError(f"server not ready after {ready_timeout}s:\n{server.log()}")
 
 
+@contextmanager
+def running_server(args: list[str], log_path: str, **kwargs) -> Iterator[ServerProcess]:
+    """``start_server(args, log_path, **kwargs)`` for a ``with`` block (or a yield fixture): the server is
+    stopped when the block ends and must have exited 0 (its log in the assertion message)."""
+    srv = start_server(args, log_path, **kwargs)
+    try:
+        yield srv
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.log()
+
+
+def openai_client(server: ServerProcess, timeout: float = 300) -> openai.OpenAI:
+    """The official client on ``server``'s /v1, no retries (a test sees the first answer)."""
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
 def scrape(url: str) -> dict[str, float]:
     """/metrics as ``{"name{label=value,...}": value}`` (labels sorted), parsed by prometheus_client."""
     text = httpx.get(url + "/metrics", timeout=5).text
@@ -76,6 +97,23 @@ def scrape(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine"))
             out[f"{s.name}{{{labels}}}"] = s.value
     return out
+
+
+#: the load gauges ``peak_gauges`` follows, by short name
+LOAD_GAUGES = {"running": "vllm:num_requests_running{}", "waiting": "vllm:num_requests_waiting{}",
+               "usage": "vllm:kv_cache_usage_perc{}"}
+
+
+async def peak_gauges(url: str, tasks: list[asyncio.Task], period: float) -> dict[str, float]:
+    """Scrape ``url``'s /metrics every ``period`` seconds until every task is done: the highest value
+    each ``LOAD_GAUGES`` gauge reached, by short name."""
+    peak = dict.fromkeys(LOAD_GAUGES, 0.0)
+    while not all(t.done() for t in tasks):
+        m = scrape(url)
+        for key, name in LOAD_GAUGES.items():
+            peak[key] = max(peak[key], m[name])
+        await asyncio.sleep(period)
+    return peak
 
 
 def metric(url: str, name: str, **labels) -> float:

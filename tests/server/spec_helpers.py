@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from engine_helpers import assert_pool_consistent
+from kvfleet_server import SamplingParams
+
+from engine_helpers import assert_pool_consistent, run_to_completion
+
+
+def greedy_with_step_counts(engine, prompt_token_ids: list[int], max_tokens: int,
+                            counter: str = "num_draft_tokens") -> tuple[list[int], list[int]]:
+    """Run one greedy request (``ignore_eos``) alone on ``engine`` to completion: (its output token ids,
+    ``engine.last_iteration.<counter>`` at every step)."""
+    engine.add_request("x", prompt_token_ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    counts: list[int] = []
+    finals = run_to_completion(engine, on_step=lambda e: counts.append(getattr(e.last_iteration, counter)))
+    return finals["x"].outputs[0].token_ids, counts
 
 
 class SpecStepChecker:

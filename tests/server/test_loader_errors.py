@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kvfleet_server.errors import UnsupportedFeatureError
 from kvfleet_server.model.loader import ModelLoadError, load_model
@@ -36,28 +37,23 @@ def test_unknown_architecture(tiny_llama_dir, tmp_path):
         load_model(str(d), torch.float32, "cpu")
 
 
-def test_missing_weights_file_and_tensor(tiny_llama_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
-
+def test_missing_weights_file(tiny_llama_dir, tmp_path):
     d = _copy(tiny_llama_dir, tmp_path)
-    st = d / "model.safetensors"
-    tensors = load_file(str(st))
-    st.unlink()
+    (d / "model.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="model.safetensors"):
         load_model(str(d), torch.float32, "cpu")
-    del tensors["model.layers.1.mlp.up_proj.weight"]
-    save_file(tensors, str(st))
-    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.up_proj.weight"):
-        load_model(str(d), torch.float32, "cpu")
 
 
-def test_wrong_shape(tiny_llama_dir, tmp_path):
-    from safetensors.torch import load_file, save_file
-
+@pytest.mark.parametrize("edit, error", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "model.layers.1.mlp.up_proj.weight"),
+    (lambda t: t.update({"model.layers.0.self_attn.o_proj.weight": torch.zeros(64, 60)}),
+     r"o_proj.weight has shape \[64, 60\], expected \[64, 64\]"),
+], ids=["missing_tensor", "wrong_shape"])
+def test_bad_checkpoint_tensor(tiny_llama_dir, tmp_path, edit, error):
     d = _copy(tiny_llama_dir, tmp_path)
-    st = d / "model.safetensors"
-    tensors = load_file(str(st))
-    tensors["model.layers.0.self_attn.o_proj.weight"] = torch.zeros(64, 60)
-    save_file(tensors, str(st))
-    with pytest.raises(ModelLoadError, match=r"o_proj.weight has shape \[64, 60\], expected \[64, 64\]"):
+    st = str(d / "model.safetensors")
+    tensors = load_file(st)
+    edit(tensors)
+    save_file(tensors, st)
+    with pytest.raises(ModelLoadError, match=error):
         load_model(str(d), torch.float32, "cpu")

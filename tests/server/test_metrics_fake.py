@@ -10,7 +10,7 @@ from kvfleet_server.api import ServerSettings, ServerState, build_app
 from kvfleet_server.metrics import ServerMetrics, build_1_2_5_buckets
 
 from server_fake_engine import FakeEngine
-from server_fixtures import InProcessServer, check_exposition, metric, scrape
+from server_fixtures import InProcessServer, check_exposition, metric, peak_gauges, scrape
 
 def test_buckets():
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
@@ -35,21 +35,14 @@ def test_exposition_names_types_labels(served):
 
 
 def test_gauges_move_under_load_and_return_to_zero(served):
-    seen = {"running": 0.0, "usage": 0.0, "waiting": 0.0}
-
     async def go():
         async with httpx.AsyncClient(timeout=30) as c:
             reqs = [asyncio.create_task(c.post(served.url + "/v1/completions", json={"prompt": "x", "max_tokens": 40}))
                     for _ in range(5)]
-            while not all(t.done() for t in reqs):
-                m = scrape(served.url)
-                seen["running"] = max(seen["running"], m["vllm:num_requests_running{}"])
-                seen["usage"] = max(seen["usage"], m["vllm:kv_cache_usage_perc{}"])
-                seen["waiting"] = max(seen["waiting"], m["vllm:num_requests_waiting{}"])
-                await asyncio.sleep(0.05)
-            return [t.result().status_code for t in reqs]
+            seen = await peak_gauges(served.url, reqs, period=0.05)
+            return [t.result().status_code for t in reqs], seen
 
-    codes = asyncio.run(go())
+    codes, seen = asyncio.run(go())
     assert codes.count(200) >= 3
     assert seen["running"] == 2 and seen["usage"] > 0
     time.sleep(0.2)

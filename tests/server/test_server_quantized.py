@@ -13,7 +13,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server_fixtures import check_exposition, start_server
+from server_fixtures import check_exposition, openai_client, running_server
 
 pytestmark = pytest.mark.slow
 KV_BYTES = "67108864"
@@ -21,16 +21,15 @@ KV_BYTES = "67108864"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--kv-cache-memory-bytes", KV_BYTES,
-                        "--max-model-len", "1024", "--shutdown-timeout", "5"],
-                       str(tmp_path_factory.mktemp("fp8") / "server.log"), ready_timeout=240)
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    with running_server(["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--kv-cache-memory-bytes", KV_BYTES,
+                         "--max-model-len", "1024", "--shutdown-timeout", "5"],
+                        str(tmp_path_factory.mktemp("fp8") / "server.log"), ready_timeout=240) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server)
 
 
 def test_fp8_server_serves_the_openai_client(server, client):
@@ -73,9 +72,8 @@ def test_default_server_resident_memory_on_the_bundled_model(tmp_path):
     """The bundled Q4_1 GGUF served packed (the default): RSS after a request ≤ 600 MB, issue 11's target
     (it was 960 MB with the weights dequantized to float32; 518 MB measured once the freed heap of the load
     is returned to the OS, ``kvfleet_server.memory``)."""
-    srv = start_server(["--kv-cache-memory-bytes", KV_BYTES, "--shutdown-timeout", "5"], str(tmp_path / "s.log"),
-                       ready_timeout=240)
-    try:
+    with running_server(["--kv-cache-memory-bytes", KV_BYTES, "--shutdown-timeout", "5"], str(tmp_path / "s.log"),
+                        ready_timeout=240) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"model": "smollm2", "prompt": "Hello",
                                                           "max_tokens": 8}, timeout=120)
         assert r.status_code == 200
@@ -83,5 +81,3 @@ def test_default_server_resident_memory_on_the_bundled_model(tmp_path):
         assert "weights: gguf" in srv.log()
         assert "freed heap returned to the OS" in srv.log()
         assert mem["VmRSS"] * 1024 <= 600e6, mem
-    finally:
-        assert srv.stop() == 0, srv.log()

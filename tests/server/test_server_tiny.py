@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from server_fixtures import check_exposition, scrape, start_server
+from server_fixtures import check_exposition, peak_gauges, running_server, scrape
 
 TINY_ARGS = ["--max-model-len", "1024", "--kv-cache-memory-bytes", "4000000", "--max-num-seqs", "8",
              "--served-model-name", "tiny", "--shutdown-timeout", "5"]
@@ -16,9 +16,8 @@ TINY_ARGS = ["--max-model-len", "1024", "--kv-cache-memory-bytes", "4000000", "-
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tmp_path_factory):
-    srv = start_server(["--model", tiny_llama_dir, *TINY_ARGS], str(tmp_path_factory.mktemp("tiny") / "server.log"))
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    with running_server(["--model", tiny_llama_dir, *TINY_ARGS], str(tmp_path_factory.mktemp("tiny") / "server.log")) as srv:
+        yield srv
 
 
 def _until(pred, timeout: float) -> bool:
@@ -77,22 +76,15 @@ def test_metrics_under_load_and_back_to_zero(server):
     """Must-show 6: exposition parses, holds every vLLM name, gauges move under load and return to 0."""
     check_exposition(httpx.get(server.url + "/metrics").text, "tiny")
     before = scrape(server.url)
-    peak = {"running": 0.0, "waiting": 0.0, "usage": 0.0}
-
     async def go():
         async with httpx.AsyncClient(timeout=60) as c:
             tasks = [asyncio.create_task(c.post(server.url + "/v1/completions", json={
                 "model": "tiny", "prompt": f"request {i} " * 20, "max_tokens": 60, "ignore_eos": True}))
                 for i in range(12)]
-            while not all(t.done() for t in tasks):
-                m = scrape(server.url)
-                peak["running"] = max(peak["running"], m["vllm:num_requests_running{}"])
-                peak["waiting"] = max(peak["waiting"], m["vllm:num_requests_waiting{}"])
-                peak["usage"] = max(peak["usage"], m["vllm:kv_cache_usage_perc{}"])
-                await asyncio.sleep(0.03)
-            return [t.result() for t in tasks]
+            peak = await peak_gauges(server.url, tasks, period=0.03)
+            return [t.result() for t in tasks], peak
 
-    rs = asyncio.run(go())
+    rs, peak = asyncio.run(go())
     assert all(r.status_code == 200 for r in rs)
     assert peak["running"] >= 2 and peak["usage"] > 0
     assert _until(lambda: _idle(scrape(server.url)), timeout=2.0)

@@ -12,6 +12,7 @@ from kvfleet_server.engine.scheduler import DraftGate
 from kvfleet_server.spec_decode.proposer import VERIFY_COST, decode_read_bytes
 
 from engine_helpers import assert_all_blocks_free, run_to_completion
+from spec_helpers import greedy_with_step_counts
 
 FLOOR = {"min_acceptance": 0.3}  # the tiny model's drafts cost about a whole step: keep them drafting
 
@@ -49,14 +50,9 @@ def test_a_method_that_cannot_pay_does_not_speculate(tiny_engine_factory, tiny_l
                                                       "num_speculative_tokens": 3})
     assert eng.proposer.draft_cost == pytest.approx(1.0)
     assert "speculation is off" in caplog.text and "break-even acceptance 1.20" in caplog.text
-    outs, drafted = [], []
-    for e in (plain, eng):
-        e.add_request("x", [9, 10, 11, 12], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-        count = []
-        outs.append(run_to_completion(e, on_step=lambda e: count.append(e.last_iteration.num_draft_tokens))
-                    ["x"].outputs[0].token_ids)
-        drafted.append(sum(count))
-    assert outs[0] == outs[1] and drafted == [0, 0]
+    out_plain, _ = greedy_with_step_counts(plain, [9, 10, 11, 12], 40)
+    out, drafted = greedy_with_step_counts(eng, [9, 10, 11, 12], 40)
+    assert out == out_plain and sum(drafted) == 0
 
 
 def test_a_new_sequence_starts_with_a_probe_after_low_acceptance(tiny_engine_factory, tiny_qwen2_dir):
@@ -75,9 +71,7 @@ def test_a_new_sequence_starts_with_a_probe_after_low_acceptance(tiny_engine_fac
 def test_min_acceptance_overrides_the_cost_model(tiny_engine_factory, tiny_llama_dir):
     always = tiny_engine_factory(speculative_config={"method": "draft_model", "model": tiny_llama_dir,
                                                      "num_speculative_tokens": 3, "min_acceptance": 0})
-    always.add_request("x", [9, 10, 11, 12], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    counts = []
-    run_to_completion(always, on_step=lambda e: counts.append(e.last_iteration.num_draft_tokens))
+    _, counts = greedy_with_step_counts(always, [9, 10, 11, 12], 30)
     assert sum(1 for c in counts if c) >= 5  # drafts every decode step (the target agrees with itself)
     for bad in (-0.1, 1.5, "high", True):
         with pytest.raises(ValueError, match=r"speculative_config.min_acceptance must be a number in \[0, 1\]"):

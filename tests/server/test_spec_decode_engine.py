@@ -14,7 +14,7 @@ from kvfleet_server import EngineConfig, SamplingParams, UnsupportedFeatureError
 from kvfleet_server.metrics import ServerMetrics
 
 from engine_helpers import assert_all_blocks_free, assert_pool_consistent, run_to_completion
-from spec_helpers import SpecStepChecker
+from spec_helpers import SpecStepChecker, greedy_with_step_counts
 
 BS = 4
 PER_BLOCK = BS * 2 * 2 * 2 * 16 * 4  # tokens × (K, V) × layers × kv heads × head_dim × fp32
@@ -201,28 +201,10 @@ def test_seeded_requests_reproducible_whatever_is_batched(tiny_engine_factory):
 
 def test_acceptance_cut_off_stops_drafting_that_does_not_pay(tiny_engine_factory, tiny_qwen2_dir):
     """A draft model that disagrees with the target is verified a handful of times (back-off 8, 16, 32 steps),
-    not at every step; the output is the plain engine's."""
-    from kvfleet_server.engine.scheduler import DraftGate
-
-    g = DraftGate()
-    assert g.open(0)
-    g.update(1, 3, 0)
-    assert not g.open(8) and g.open(9)
-    g.update(9, 3, 0)
-    assert not g.open(24) and g.open(25)
-    g.update(25, 1, 1)  # a probe that pays brings the drafts back; a full verification that pays resets the back-off
-    assert g.open(26) and g.num_drafts(3) == 3 and g.backoff == 32
-    g.update(26, 3, 3)
-    assert g.backoff == DraftGate.FIRST_BACKOFF
-
+    not at every step; the output is the plain engine's (DraftGate's back-off itself: test_spec_decode_cutoff.py)."""
     plain = tiny_engine_factory()
     eng = tiny_engine_factory(speculative_config=_spec("draft_model", tiny_qwen2_dir))
-    outs, verifications = [], []
-    for e in (plain, eng):
-        e.add_request("x", [9, 10, 11, 12], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-        count = []
-        outs.append(run_to_completion(e, on_step=lambda e: count.append(e.last_iteration.num_drafts))
-                    ["x"].outputs[0].token_ids)
-        verifications.append(sum(count))
-    assert outs[0] == outs[1]
-    assert 1 <= verifications[1] <= 6, verifications
+    out_plain, _ = greedy_with_step_counts(plain, [9, 10, 11, 12], 60, counter="num_drafts")
+    out, verifications = greedy_with_step_counts(eng, [9, 10, 11, 12], 60, counter="num_drafts")
+    assert out == out_plain
+    assert 1 <= sum(verifications) <= 6, verifications

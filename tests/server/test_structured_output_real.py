@@ -8,10 +8,9 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
-import openai
 import pytest
 
-from server_fixtures import scrape, start_server
+from server_fixtures import openai_client, running_server, scrape
 from structured_schemas import make_schemas
 
 pytestmark = pytest.mark.slow
@@ -20,16 +19,15 @@ SCHEMAS = make_schemas(50)
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start_server(["--model", "smollm2", "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "16",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--shutdown-timeout", "5"],
-                       str(tmp_path_factory.mktemp("so_real") / "server.log"))
-    yield srv
-    assert srv.stop() == 0, srv.log()
+    with running_server(["--model", "smollm2", "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "16",
+                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--shutdown-timeout", "5"],
+                        str(tmp_path_factory.mktemp("so_real") / "server.log")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai_client(server)
 
 
 def _pmap(fn, items):

@@ -1,5 +1,6 @@
 """Pieces the Triton attention kernels share: the KV-cache write (slot mapping), loading a tile of
-paged K/V through a block table, and the launch-side helpers (dtype views, padded head_dim).
+paged K/V through a block table (and the FP8 scales), the tile dot products, and the launch-side
+helpers (dtype views, padded head_dim).
 
 The KV cache layout is ``backend.py``'s: K and V each ``[num_blocks, block_size, num_kv_heads,
 head_dim]``; token ``t`` of a sequence sits at block ``block_table[t // block_size]``, offset
@@ -61,6 +62,50 @@ def load_kv_tile(cache_ptr, bt_row_ptr, tok, tok_mask, kvh, offs_d, d_mask, scal
     else:
         x = tl.load(ptrs, mask=m, other=0.0).to(tl.float32)
     return x
+
+
+@triton.jit
+def load_kv_tiles(kc_ptr, vc_ptr, bt_row_ptr, tok, tok_mask, kvh, offs_d, d_mask, k_scale, v_scale,
+                  stride_cb, stride_cs, stride_ch,
+                  BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr, FP8_TYPE: tl.constexpr):
+    """The K and V tiles (``load_kv_tile`` of each cache with its scale): two [N, D_PAD] float32."""
+    k = load_kv_tile(kc_ptr, bt_row_ptr, tok, tok_mask, kvh, offs_d, d_mask, k_scale,
+                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
+    v = load_kv_tile(vc_ptr, bt_row_ptr, tok, tok_mask, kvh, offs_d, d_mask, v_scale,
+                     stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
+    return k, v
+
+
+@triton.jit
+def load_kv_scales(scales_ptr, FP8: tl.constexpr):
+    """The layer's (k_scale, v_scale): float32 [2] at ``scales_ptr`` for an FP8 cache, (1.0, 1.0) for a
+    cache in the model dtype (``scales_ptr`` is then not read)."""
+    k_scale = 1.0
+    v_scale = 1.0
+    if FP8:
+        k_scale = tl.load(scales_ptr)
+        v_scale = tl.load(scales_ptr + 1)
+    return k_scale, v_scale
+
+
+@triton.jit
+def tile_dot(a, b, DTYPE: tl.constexpr, IEEE: tl.constexpr, TRANS_B: tl.constexpr):
+    """``a @ b`` (``a @ b.T`` when ``TRANS_B``): [M, K] x [K, N] -> [M, N] float32, float32
+    accumulation. IEEE float32 products (no TF32) when ``IEEE``, else the tensor-core dot of the
+    operands cast to ``DTYPE`` (the query's dtype; ``b`` is cast before it is transposed)."""
+    if IEEE:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    else:
+        a = a.to(DTYPE)
+        b = b.to(DTYPE)
+    if TRANS_B:
+        b = tl.trans(b)
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETED, cache_view, fp8_kind, load_kv_tile, padded_head_dim
+from .triton_common import (INTERPRETED, cache_view, fp8_kind, load_kv_scales, load_kv_tiles, padded_head_dim,
+                            tile_dot)
 
 
 @triton.jit
@@ -50,11 +51,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, scales_ptr, o_p
     q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     qk_scale = sm_scale * 1.4426950408889634  # softmax in base 2
-    k_scale = 1.0
-    v_scale = 1.0
-    if FP8:
-        k_scale = tl.load(scales_ptr)
-        v_scale = tl.load(scales_ptr + 1)
+    k_scale, v_scale = load_kv_scales(scales_ptr, FP8)
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -63,23 +60,15 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, scales_ptr, o_p
     for s0 in range(start, end, BLOCK_N):
         tok = s0 + tl.arange(0, BLOCK_N)
         tok_mask = tok < end
-        k = load_kv_tile(kc_ptr, bt_row, tok, tok_mask, kvh, offs_d, d_mask, k_scale,
-                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
-        v = load_kv_tile(vc_ptr, bt_row, tok, tok_mask, kvh, offs_d, d_mask, v_scale,
-                         stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        k, v = load_kv_tiles(kc_ptr, vc_ptr, bt_row, tok, tok_mask, kvh, offs_d, d_mask, k_scale, v_scale,
+                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
+        s = tile_dot(q, k, q.dtype, IEEE, True)
         s = tl.where(tok_mask[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        pv = tile_dot(p, v, q.dtype, IEEE, False)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 

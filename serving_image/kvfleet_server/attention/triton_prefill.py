@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_common import INTERPRETED, cache_view, fp8_kind, load_kv_tile, padded_head_dim
+from .triton_common import (INTERPRETED, cache_view, fp8_kind, load_kv_scales, load_kv_tiles, padded_head_dim,
+                            tile_dot)
 
 
 @triton.jit
@@ -40,11 +41,7 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, q_start_ptr, q_len_pt
         d_mask = offs_d < HEAD_DIM
         q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                     mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-        k_scale = 1.0
-        v_scale = 1.0
-        if FP8:
-            k_scale = tl.load(scales_ptr)
-            v_scale = tl.load(scales_ptr + 1)
+        k_scale, v_scale = load_kv_scales(scales_ptr, FP8)
         qk_scale = sm_scale * 1.4426950408889634
         q_pos = prefix + offs_m  # absolute positions of the tile's queries
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -55,14 +52,9 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, q_start_ptr, q_len_pt
         for s0 in range(0, kv_end, BLOCK_N):
             tok = s0 + tl.arange(0, BLOCK_N)
             tok_mask = tok < kv_end
-            k = load_kv_tile(kc_ptr, bt_row, tok, tok_mask, kvh, offs_d, d_mask, k_scale,
-                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
-            v = load_kv_tile(vc_ptr, bt_row, tok, tok_mask, kvh, offs_d, d_mask, v_scale,
-                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
-            if IEEE:
-                s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            k, v = load_kv_tiles(kc_ptr, vc_ptr, bt_row, tok, tok_mask, kvh, offs_d, d_mask, k_scale, v_scale,
+                                 stride_cb, stride_cs, stride_ch, BLOCK_SIZE, FP8, FP8_TYPE)
+            s = tile_dot(q, k, q.dtype, IEEE, True)
             s = s * qk_scale
             allowed = (tok[None, :] <= q_pos[:, None]) & tok_mask[None, :]
             s = tl.where(allowed, s, float("-inf"))
@@ -71,10 +63,7 @@ def _extend_kernel(q_ptr, kc_ptr, vc_ptr, out_ptr, bt_ptr, q_start_ptr, q_len_pt
             alpha = tl.exp2(m_i - m_safe)
             pr = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
-            if IEEE:
-                pv = tl.dot(pr, v, input_precision="ieee")
-            else:
-                pv = tl.dot(pr.to(q.dtype), v.to(q.dtype))
+            pv = tile_dot(pr, v, q.dtype, IEEE, False)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

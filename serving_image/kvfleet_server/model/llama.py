@@ -68,13 +68,13 @@ class DecoderLayer(nn.Module):
                    "gate_up": [(shard.intermediate[0], inter)] * 2}
             row = {"o": (q0, self.q_size), "down": (shard.intermediate[0], inter)}
         self.qkv_proj = Linear(cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=cfg.attention_bias,
-                               quant_method=qc.linear_method(pre + "qkv_proj"), prefix=pre + "qkv_proj", tp=tp,
+                               quant_method=qc.linear_method(), prefix=pre + "qkv_proj", tp=tp,
                                column_slices=col.get("qkv"))
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, quant_method=qc.linear_method(pre + "o_proj"),
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, quant_method=qc.linear_method(),
                              prefix=pre + "o_proj", tp=tp, row_slice=row.get("o"))
-        self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, quant_method=qc.linear_method(pre + "gate_up_proj"),
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, quant_method=qc.linear_method(),
                                    prefix=pre + "gate_up_proj", tp=tp, column_slices=col.get("gate_up"))
-        self.down_proj = Linear(inter, cfg.hidden_size, quant_method=qc.linear_method(pre + "down_proj"),
+        self.down_proj = Linear(inter, cfg.hidden_size, quant_method=qc.linear_method(),
                                 prefix=pre + "down_proj", tp=tp, row_slice=row.get("down"))
 
     def forward(self, h, cos, sin, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):

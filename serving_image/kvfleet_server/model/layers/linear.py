@@ -32,14 +32,6 @@ def set_weight_attrs(param: torch.Tensor, **attrs) -> None:
         setattr(param, k, v)
 
 
-def per_channel_scales(w: torch.Tensor, absmax: torch.Tensor | None, qmax: float) -> torch.Tensor:
-    """Symmetric per-output-channel scales [N] float32 of w [N, K] for a format whose largest value is
-    ``qmax``: row absmax / qmax (``absmax`` [N] overrides w's own: a row-parallel shard passes its whole
-    rows', ``Linear.row_absmax``, so every rank keeps the unsharded scales)."""
-    a = w.float().abs().amax(dim=1) if absmax is None else absmax.float()
-    return a.clamp(min=1e-12) / qmax
-
-
 class QuantMethod(ABC):
     """How one Linear stores and multiplies its weight.
 

@@ -37,7 +37,7 @@ class QuantConfig:
         self.method = method
         self.act_dtype = act_dtype
 
-    def linear_method(self, prefix: str = "") -> QuantMethod:
+    def linear_method(self) -> QuantMethod:
         """Method of a decoder projection (qkv_proj, o_proj, gate_up_proj, down_proj)."""
         if self.method == "fp8":
             from .fp8 import Fp8LinearMethod
@@ -54,7 +54,7 @@ class QuantConfig:
         return UnquantizedLinearMethod()
 
     def lm_head_method(self) -> QuantMethod:
-        return self.linear_method("lm_head") if self.method == "gguf" else UnquantizedLinearMethod()
+        return self.linear_method() if self.method == "gguf" else UnquantizedLinearMethod()
 
     def embedding_method(self) -> QuantMethod:
         if self.method == "gguf":

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..linear import Linear, QuantMethod, per_channel_scales
+from ..linear import Linear
+from .per_channel import PerChannelQuantMethod, quantize_per_channel
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -32,8 +33,7 @@ def quantize_per_channel_fp8(w: torch.Tensor,
 
     ``absmax`` [N]: the rows' absolute maxima to scale by (default: w's own; a row-parallel shard
     passes those of its whole rows, ``Linear.row_absmax``, so every rank keeps the unsharded scales)."""
-    s = per_channel_scales(w, absmax, FP8_MAX)
-    return (w.float() / s[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), s
+    return quantize_per_channel(w, absmax, FP8_MAX, FP8_DTYPE)
 
 
 def cuda_supports_scaled_mm(device: torch.device) -> bool:
@@ -41,20 +41,15 @@ def cuda_supports_scaled_mm(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-class Fp8LinearMethod(QuantMethod):
+class Fp8LinearMethod(PerChannelQuantMethod):
     name = "fp8"
-    uses_row_absmax = True
+    qdtype = FP8_DTYPE
+    qmax = FP8_MAX
 
-    def __init__(self, act_dtype: torch.dtype):
-        self.act_dtype = act_dtype
-
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        w8, s = quantize_per_channel_fp8(layer.weight.data, layer.row_absmax)
-        del layer.weight
-        layer.register_buffer("qweight", w8, persistent=False)
+    def store_scales(self, layer: Linear, s: torch.Tensor) -> None:
         layer.register_buffer("weight_scale", s, persistent=False)
-        N, K = w8.shape
-        layer.fp8_scaled_mm = cuda_supports_scaled_mm(w8.device) and K % 16 == 0 and N % 16 == 0
+        N, K = layer.qweight.shape
+        layer.fp8_scaled_mm = cuda_supports_scaled_mm(layer.qweight.device) and K % 16 == 0 and N % 16 == 0
 
     def apply(self, layer, x, bias):
         if layer.fp8_scaled_mm:
