@@ -199,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the model eagerly (vLLM's flag): no torch.compile of the decoder layers and no CUDA "
                         "graphs (decode steps on CUDA otherwise replay graphs captured at batch sizes 1, 2, 4, 8, 16, "
                         "24, ... up to --max-num-seqs, capped at 512); starts faster, steps slower")
+    e.add_argument("--cpu-weight-prepack", action=argparse.BooleanOptionalAction,
+                   default=_engine_default("cpu_weight_prepack"),
+                   help="kvfleet's flag: on the CPU without torch.compile, hold float32 linear weights in oneDNN's "
+                        "prepacked layout and multiply with oneDNN (faster at decode's few rows than MKL, which "
+                        "re-packs the weight every call); --no-cpu-weight-prepack keeps F.linear")
     e.add_argument("--attention-backend", default=_engine_default("attention_backend"),
                    choices=list(_config().ATTENTION_BACKEND_CHOICES),
                    help="kvfleet's flag (vLLM uses the VLLM_ATTENTION_BACKEND environment variable): auto = the "
@@ -269,7 +274,7 @@ ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_mem
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
                  "speculative_config", "seed", "num_threads", "max_logprobs",
                  "structured_outputs_config", "enable_jump_forward", "attention_backend", "enforce_eager",
-                 "compilation_config")
+                 "compilation_config", "cpu_weight_prepack")
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:

@@ -103,6 +103,9 @@ class EngineConfig:
             the decoder layers, piecewise around attention). None: 3 on CUDA, 0 on the CPU (measured on this
             project's 2-core CPU: compiled decode 0.98x, prefill 1.04x eager, +78 s cold start-up —
             docs/engine.md); ``enforce_eager`` forces 0.
+        cpu_weight_prepack: at compilation level 0 on the CPU, hold the unquantized float32 linears'
+            weights in oneDNN's prepacked layout and multiply with oneDNN (model/layers/cpu_prepack.py;
+            kvfleet's ``--[no-]cpu-weight-prepack``). Default True; False keeps ``F.linear`` (MKL).
     """
 
     model: str | None = None
@@ -129,6 +132,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     compilation_config: dict | None = None
+    cpu_weight_prepack: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

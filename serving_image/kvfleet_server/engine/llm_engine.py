@@ -24,7 +24,7 @@ from .detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from ..errors import InvalidRequestError, PromptTooLongError
 from .kv_cache import KVCacheManager
 from ..executor.distributed import TPGroup
-from ..executor.engine_setup import build_shard, compile_model, size_kv_pool
+from ..executor.engine_setup import build_shard, prepare_model, size_kv_pool
 from ..executor.workers import WorkerGroup, start_workers
 from ..model.layers.quant import model_weight_bytes, quantization_note
 from ..model.loader import is_gguf, load_model_config, open_gguf
@@ -123,7 +123,7 @@ class LLMEngine:
             if self.proposer is not None:
                 self.proposer.bind(self.runner)
             lap("kv_cache allocation")
-            compile_model(config, self.model, self.tp)
+            prepare_model(config, self.model, self.tp)
             lap("compile")
         except BaseException:
             self.shutdown()

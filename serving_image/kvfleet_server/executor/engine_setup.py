@@ -174,16 +174,25 @@ def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = 
     return runner, num_blocks
 
 
-def compile_model(config: EngineConfig, model, tp: TPGroup) -> None:
-    """At compilation level 3 (``EngineConfig.resolved_compilation_level``: the default on CUDA, ``-O3``
-    elsewhere): torch.compile the decoder layers piecewise and warm them up (``model/compile.py``).
-    Collective under tensor parallelism: every rank calls it after loading."""
+def prepare_model(config: EngineConfig, model, tp: TPGroup) -> None:
+    """After loading, the model's kernels for the configuration. At compilation level 3
+    (``EngineConfig.resolved_compilation_level``: the default on CUDA, ``-O3`` elsewhere): torch.compile
+    the decoder layers piecewise and warm them up (``model/compile.py``). At level 0 on the CPU with
+    ``cpu_weight_prepack``: the float32 linears' weights prepacked for oneDNN
+    (``model/layers/cpu_prepack.py``). Collective under tensor parallelism: every rank calls it after loading."""
+    dev = tp.device if tp.is_parallel else torch.device(config.resolved_device())
     if config.resolved_compilation_level() == 0:
+        if dev.type == "cpu" and config.cpu_weight_prepack:
+            from ..model.layers.cpu_prepack import can_prepack, prepack_linears
+
+            if can_prepack():
+                count, extra = prepack_linears(model)
+                logger.info("oneDNN-prepacked float32 linears: %d%s (--no-cpu-weight-prepack keeps F.linear)", count,
+                            f", and a packed copy of the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "")
         return
     from ..model.compile import compile_cache_dir, compile_layers, warm_up
 
     compile_layers(model)
-    dev = tp.device if tp.is_parallel else torch.device(config.resolved_device())
     seconds = warm_up(model, config.resolved_dtype(), dev)
     logger.info("torch.compile of the decoder layers: %.1fs (cache %s; --enforce-eager skips it)", seconds,
                 compile_cache_dir())

@@ -325,7 +325,7 @@ def worker_main(conn: Connection) -> int:
         import torch
 
         from ..config import EngineConfig
-        from .engine_setup import build_shard, compile_model, size_kv_pool
+        from .engine_setup import build_shard, prepare_model, size_kv_pool
         from .distributed import TPGroup
 
         apply_cpu_placement(set(order["cores"]) if order["cores"] else None, order["threads"])
@@ -347,7 +347,7 @@ def worker_main(conn: Connection) -> int:
         return 1
     tp.connect(order["init_method"])
     runner, _ = size_kv_pool(config, model, tp)
-    compile_model(config, model, tp)
+    prepare_model(config, model, tp)
     with torch.inference_mode():
         while runner.serve(tp.broadcast_object()):
             pass

@@ -65,12 +65,13 @@ class QuantConfig:
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's weights as stored: every parameter and persistent or packed buffer
-    (quantized weights, scales, zero points), excluding the rope cos/sin tables."""
+    (quantized weights, scales, zero points, oneDNN-prepacked weights), excluding the rope cos/sin tables."""
     seen, total = set(), 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.startswith("rope_") or t.data_ptr() in seen:
+        key = id(t) if t.is_mkldnn else t.data_ptr()  # an opaque oneDNN tensor has no data pointer
+        if name.startswith("rope_") or key in seen:
             continue
-        seen.add(t.data_ptr())
+        seen.add(key)
         total += t.numel() * t.element_size()
     return total
 
