@@ -116,8 +116,10 @@ def main(argv=None) -> int:
         export_float_checkpoint(bundled_model_path(), args.float_dir)
     ids = Tokenizer.from_path(args.float_dir, []).encode(reference_text(), add_special_tokens=False)
     windows = fixed_windows(ids, args.window_len, args.windows)
+    # the torch attention backend (its forward is patched below) and plain float weights (rewritten below)
     llm = LLM(args.float_dir, device="cpu", dtype="float32", kv_cache_memory_bytes=64 << 20,
-              max_num_batched_tokens=max(512, args.window_len), num_threads=1)
+              max_num_batched_tokens=max(512, args.window_len), num_threads=1, attention_backend="torch",
+              cpu_weight_prepack=False)
     linears = [(n, m) for n, m in llm.engine.model.named_modules()
                if isinstance(m, Linear) and not isinstance(m, VocabEmbedding)]
     original = {n: m.weight.data.clone() for n, m in linears}

@@ -4,6 +4,8 @@ model dtype and FP8, and whole engine runs with each backend."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -96,3 +98,46 @@ def test_engine_greedy_tokens_cpu_kernel_equal_torch(tiny_llama_dir):
         outs[backend] = [r.outputs[0].token_ids for r in llm.generate(prompts + prompts[:1], sp)]
     assert outs["cpu"] == outs["torch"]
     assert all(len(t) == 12 for t in outs["cpu"])
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("row_len", 10_000, r"row_len\[0\] = 10000 outside \[1, "),
+    ("rows", 99, r"rows\[0\] = 99 outside \[0, "),
+    ("block", 10_000, r"block id 10000 outside \[0, "),
+])
+def test_kernel_refuses_out_of_range_indices(cpu_backend, field, value, match):
+    """A bad block table or row index is a RuntimeError naming it, never an out-of-bounds access."""
+    from kvfleet_server.attention.cpu_backend import paged_rows
+
+    case = make_case(SEQS["decode"], 8, 2, 16, 8, torch.float32, seed=1)
+    tables, rows, row_seq, row_len = (t.clone() for t in paged_rows(case.meta))
+    if field == "row_len":
+        row_len[0] = value
+    elif field == "rows":
+        rows[0] = value
+    else:
+        tables[0, 0] = value
+    out = torch.empty_like(case.q)
+    with pytest.raises(RuntimeError, match=match):
+        cpu_backend.op(out, case.q, case.k_cache, case.v_cache, tables, rows, row_seq, row_len, 1.0, 1.0, 1.0)
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A lock left by a build killed midway would make every later start wait forever."""
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    cpu_ext._clear_stale_lock(str(tmp_path))
+    assert lock.exists()  # a build in progress
+    old = time.time() - cpu_ext.STALE_LOCK_S - 5
+    os.utime(lock, (old, old))
+    cpu_ext._clear_stale_lock(str(tmp_path))
+    assert not lock.exists()
+
+
+def test_build_folder_names_the_isa_level_and_source_hash():
+    name = cpu_ext._name()
+    assert name.startswith("kvfleet_cpu_attn_") and cpu_ext.isa_level().replace("-", "_") in name
+    assert cpu_ext.build_directory(name).endswith(os.path.join("kvfleet", name))

@@ -1,20 +1,28 @@
 """Build and load kvfleet's C++ CPU paged-attention kernel (``csrc/paged_attention_cpu.cpp``).
 
-Built with ``torch.utils.cpp_extension.load`` (g++ and ninja; ``make`` installs ninja with the
-project), cached under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in a folder
-named after the source and this CPU's instruction-set flags, so a restart loads the cached library
-(milliseconds) and a shared cache never hands a library built for another CPU. The first build
-takes tens of seconds; ``main()`` builds it ahead of time (the Makefile does, after installing).
+Built with ``torch.utils.cpp_extension.load`` (g++, and ninja: the ``ninja`` package installed with the
+project, found next to this interpreter) for a portable instruction-set level — x86-64-v3 (AVX2 + FMA:
+every x86 server CPU since 2013) where the CPU has it, else baseline x86-64 / armv8-a — so a library
+built once (``make``, a container image's build stage) runs on any machine of that level. It lives
+under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in ``kvfleet/<name>``, the name
+carrying the level and a hash of the source, the flags, torch's and Python's versions: a restart loads
+the cached library (milliseconds; ninja only checks it is up to date), and different sources or
+toolchains never share a folder. The first build takes tens of seconds; ``main()`` builds it ahead of
+time (the Makefile runs it after installing). A build lock older than ``STALE_LOCK_S`` (a build killed
+midway) is removed rather than waited on forever.
 
-``load()`` returns None, with the reason in ``load_error()``, when no compiler is there: the engine
-then falls back to the torch reference backend and says so in the log.
+``load()`` returns None, with the reason in ``load_error()``, when it cannot be built or loaded (no
+compiler, no ninja): the engine then serves with the torch reference backend and says so in the log.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import platform
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,26 +30,63 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+STALE_LOCK_S = 600
+_X86_V3 = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}
 _state: dict = {}
 
 
-def _cpu_fingerprint() -> str:
-    flags = ""
+def _cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                flags = line
-                break
+                return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return hashlib.sha1(f"{platform.machine()} {flags}".encode()).hexdigest()[:10]
+    return set()
+
+
+def isa_level() -> str:
+    """The -march level the kernel is built for on this CPU."""
+    machine = platform.machine()
+    if machine in ("x86_64", "AMD64"):
+        return "x86-64-v3" if _X86_V3 <= _cpu_flags() else "x86-64"
+    if machine in ("aarch64", "arm64"):
+        return "armv8-a"
+    return ""
 
 
 def _cflags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64", "aarch64", "arm64"):
-        flags.append("-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native")
-    return flags
+    level = isa_level()
+    return ["-O3", "-fopenmp"] + ([f"-march={level}"] if level else [])
+
+
+def _name() -> str:
+    key = b"\0".join([SOURCE.read_bytes(), " ".join(_cflags()).encode(), torch.__version__.encode(),
+                      sys.version.encode()])
+    return f"kvfleet_cpu_attn_{isa_level().replace('-', '_') or 'generic'}_{hashlib.sha1(key).hexdigest()[:10]}"
+
+
+def build_directory(name: str) -> str:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    path = os.path.join(root, "kvfleet", name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _clear_stale_lock(path: str) -> None:
+    lock = os.path.join(path, "lock")
+    try:
+        age = time.time() - os.path.getmtime(lock)
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale CPU-kernel build lock (%.0f s old, a build killed midway): %s", age, lock)
+        try:
+            os.remove(lock)
+        except OSError:
+            pass
 
 
 def load():
@@ -53,12 +98,18 @@ def load():
     try:
         from torch.utils import cpp_extension
 
-        cpp_extension.load(name=f"kvfleet_cpu_attn_{_cpu_fingerprint()}", sources=[str(SOURCE)],
-                           extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], is_python_module=False,
-                           verbose=False)
+        bindir = os.path.dirname(sys.executable)  # the venv's ninja, also when the venv is not activated
+        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        name = _name()
+        path = build_directory(name)
+        _clear_stale_lock(path)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+                           build_directory=path, is_python_module=False, verbose=False)
         op = torch.ops.kvfleet.paged_attention_cpu
     except Exception as exc:  # no compiler / ninja / headers: the torch backend serves instead
-        _state["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        msg = str(exc).strip()
+        _state["error"] = f"{type(exc).__name__}: {msg.splitlines()[-1] if msg else ''}"
         log.warning("CPU paged-attention kernel unavailable (%s); using the torch reference backend",
                     _state["error"])
     _state["op"] = op
@@ -73,10 +124,8 @@ def load_error() -> str | None:
 def main() -> int:
     """Build (or load the cached) kernel and say so; 0 when it is ready. The Makefile runs it after
     installing: ``python -c 'from kvfleet_server.attention.cpu_ext import main; main()'``."""
-    import time
-
     t0 = time.perf_counter()
     ok = load() is not None
-    print(f"kvfleet CPU paged attention: {'ready' if ok else 'unavailable: ' + str(load_error())} "
-          f"({time.perf_counter() - t0:.1f} s)")
+    print(f"kvfleet CPU paged attention ({isa_level() or 'generic'}): "
+          f"{'ready' if ok else 'unavailable: ' + str(load_error())} ({time.perf_counter() - t0:.1f} s)")
     return 0 if ok else 1

@@ -22,7 +22,6 @@ def build_proposer(cfg: SpeculativeConfig, target, target_config, tokenizer, dty
         from .layer_skip import LayerSkipProposer
 
         return LayerSkipProposer(cfg.num_draft_layers, target_config.num_hidden_layers)
-    from ..attention import get_attention_backend
     from ..config import resolve_model
     from ..model.loader import load_model
 
@@ -35,4 +34,4 @@ def build_proposer(cfg: SpeculativeConfig, target, target_config, tokenizer, dty
                          f"max_model_len is {max_model_len}")
     from .draft_model import DraftModelProposer
 
-    return DraftModelProposer(model, mcfg, dtype, device, get_attention_backend(device))
+    return DraftModelProposer(model, mcfg, dtype, device)

@@ -16,11 +16,11 @@ from .proposer import DraftRequest, Drafts, Proposer, decode_read_bytes
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, model, model_config, dtype, device: str, backend):
+    def __init__(self, model, model_config, dtype, device: str):
         self.model = model
         self.dtype = dtype
         self.device = device
-        self.backend = backend
+        self.backend = None  # the target's attention backend, set by bind()
         c = model_config
         self.extra_kv_bytes_per_token = kv_bytes_per_token(c.num_hidden_layers, c.num_key_value_heads,
                                                            c.head_dim, dtype)

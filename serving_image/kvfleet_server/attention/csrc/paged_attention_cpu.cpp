@@ -202,6 +202,24 @@ void paged_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(tables.dim() == 2 && rows.size(0) == row_seq.size(0) && rows.size(0) == row_len.size(0),
               "tables must be [S, W] and rows, row_seq, row_len [R]");
   TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q must share a dtype");
+  // every index in range before any read: a bad table is an error, never an out-of-bounds access
+  {
+    const int64_t T = q.size(0), S = tables.size(0), W = tables.size(1);
+    const int64_t NB = k_cache.size(0), BS = k_cache.size(1);
+    const int64_t* tab = tables.data_ptr<int64_t>();
+    const int64_t* rw = rows.data_ptr<int64_t>();
+    const int64_t* rs = row_seq.data_ptr<int64_t>();
+    const int64_t* rl = row_len.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows.size(0); ++r) {
+      TORCH_CHECK(rw[r] >= 0 && rw[r] < T, "paged_attention_cpu: rows[", r, "] = ", rw[r], " outside [0, ", T, ")");
+      TORCH_CHECK(rs[r] >= 0 && rs[r] < S, "paged_attention_cpu: row_seq[", r, "] = ", rs[r], " outside [0, ", S, ")");
+      TORCH_CHECK(rl[r] >= 1 && rl[r] <= W * BS, "paged_attention_cpu: row_len[", r, "] = ", rl[r],
+                  " outside [1, ", W * BS, "] (block table width x block size)");
+      const int64_t* t = tab + rs[r] * W;
+      for (int64_t b = 0; b < (rl[r] + BS - 1) / BS; ++b)
+        TORCH_CHECK(t[b] >= 0 && t[b] < NB, "paged_attention_cpu: block id ", t[b], " outside [0, ", NB, ")");
+    }
+  }
   switch (q.scalar_type()) {
     case at::kFloat:
       dispatch_cache<float>(out, q, k_cache, v_cache, tables, rows, row_seq, row_len, scale, k_scale, v_scale);
