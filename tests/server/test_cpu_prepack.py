@@ -58,6 +58,19 @@ def test_engine_default_prepacks_and_knob_turns_it_off(tiny_engine_factory):
                    for m in compiled.model.modules() if isinstance(m, Linear))
 
 
+@pytest.mark.parametrize("kw", [{"quantization": "int8"}, {"quantization": "fp8"}, {"dtype": "bfloat16"}])
+def test_quantized_and_bf16_linears_are_left_alone(tiny_engine_factory, kw):
+    """Quantized projections keep their method (only the float32 LM head, which quantization keeps in the
+    model dtype, is packed); bfloat16 weights are not packed."""
+    eng = tiny_engine_factory(**kw)
+    packed = [m for m in eng.model.modules() if isinstance(m, Linear)
+              and isinstance(m.quant_method, PrepackedLinearMethod)]
+    assert packed == ([] if "dtype" in kw else [eng.model.lm_head])
+    assert all(m.quant_method.name == kw.get("quantization", "unquantized")
+               for layer in eng.model.layers for m in layer.modules() if isinstance(m, Linear))
+    assert prepack_linears(eng.model) == (0, 0)
+
+
 def test_tiny_engine_greedy_tokens_equal_with_and_without_prepack(tiny_llama_dir):
     from kvfleet_server import LLM, SamplingParams
 

@@ -41,9 +41,10 @@ def can_prepack() -> bool:
 
 
 def _packable(m: torch.nn.Module) -> bool:
+    if type(m.quant_method) is not UnquantizedLinearMethod:  # quantized methods hold no float ``weight``
+        return False
     w = m.weight
-    return (type(m.quant_method) is UnquantizedLinearMethod and w is not None and w.dtype == torch.float32
-            and w.device.type == "cpu")
+    return w is not None and w.dtype == torch.float32 and w.device.type == "cpu"
 
 
 def prepack_linears(model: torch.nn.Module) -> tuple[int, int]:
