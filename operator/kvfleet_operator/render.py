@@ -247,12 +247,12 @@ def server_args(spec: api.InferenceServiceSpec, model_path: str, draft_path: str
 
 def cpu_threads(spec: api.InferenceServiceSpec) -> int | None:
     """--num-threads of a CPU pod: the server's own rule (``threads_for_cpus``) over the CPUs the pod
-    requests, rounded up (500m → 1). None for GPU pods or when no CPU is requested (the server then
-    reads its cgroup limit and affinity)."""
+    requests, rounded down (2500m → 2, 500m → 1). None for GPU pods or when no CPU is requested (the
+    server then reads its cgroup limit and affinity)."""
     if spec.gpus > 0 or spec.resources.cpu is None:
         return None
     cpus = quantity(spec.resources.cpu)  # validated by the spec: never None here
-    return threads_for_cpus(max(1, math.ceil(cpus)))
+    return threads_for_cpus(max(1, math.floor(cpus)))
 
 
 def check_server_args(args: list[str]) -> None:

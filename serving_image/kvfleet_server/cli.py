@@ -38,7 +38,8 @@ def _process_age_s() -> float | None:
 
 
 def available_cpus() -> int:
-    """CPUs this process may use: its affinity set, capped by a cgroup v2 CPU quota (a pod's CPU limit)."""
+    """CPUs this process may use: its affinity set, capped by a cgroup v2 CPU quota (a pod's CPU limit),
+    rounded down (a 2.5-CPU limit gives 2: a third busy thread would be throttled), at least 1."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -47,18 +48,21 @@ def available_cpus() -> int:
         with open("/sys/fs/cgroup/cpu.max") as f:
             quota, period = f.read().split()[:2]
         if quota != "max":
-            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+            cpus = min(cpus, max(1, int(quota) // int(period)))
     except (OSError, ValueError):
         pass
     return max(1, cpus)
 
 
 def threads_for_cpus(cpus: int, tensor_parallel_size: int = 1) -> int:
-    """Compute engine threads per rank on ``cpus`` CPUs: all but one, which is left to the HTTP side
-    (vLLM's CPU backend also keeps a core for its frontend), shared by the tensor-parallel ranks; at
-    least 1. Oversubscribed OpenMP threads spin-wait against each other and slow every step several-fold.
-    The operator renders ``--num-threads`` for CPU pods with the same rule."""
-    return max(1, (cpus - 1) // tensor_parallel_size)
+    """Compute engine threads per rank on ``cpus`` CPUs: all of them, shared by the tensor-parallel ranks;
+    at least 1. Chosen from ``benchmarks/serving.py`` (docs/server.md): on this project's 2-core machine,
+    with the benchmark client on the same cores, 2 engine threads served 1.74x the output tok/s of 1
+    (all but one, vLLM's CPU rule) at concurrency 16 and 1.43x with a shared prefix at 4, with lower TTFT
+    — the HTTP side needs little CPU. More threads than CPUs (PyTorch's default: every core of the node
+    in a CPU-limited pod) spin-wait against each other and slow every step several-fold. The operator
+    renders ``--num-threads`` for CPU pods with the same rule."""
+    return max(1, cpus // tensor_parallel_size)
 
 
 def default_num_threads(tensor_parallel_size: int = 1) -> int:
@@ -214,9 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV-cache dtype: auto (= the model dtype), fp8 (= fp8_e4m3) or fp8_e5m2 (per-layer K/V "
                         "scales)")
     e.add_argument("--num-threads", type=_positive_int, default=None,
-                   help="intra-op threads of each engine rank on CPU (default: (usable CPUs - 1) // "
-                        "--tensor-parallel-size, at least 1, respecting the affinity set and a cgroup CPU limit; "
-                        "OMP_NUM_THREADS also sets it)")
+                   help="intra-op threads of each engine rank on CPU (default: usable CPUs // "
+                        "--tensor-parallel-size, at least 1, respecting the affinity set and a cgroup CPU limit "
+                        "rounded down; OMP_NUM_THREADS also sets it)")
     e.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
                    help="tensor-parallel ranks: one model over N processes / GPUs (rank 0 is this process; "
                         "the model's head counts must split, see docs/tensor_parallel.md)")

@@ -73,8 +73,8 @@ def test_cpu_pods_get_num_threads_from_the_cpu_request():
     cpu = {"model": {"uri": "bundled://smollm2"}, "resources": {"gpus": 0}}
     assert threads({**cpu, "resources": {"gpus": 0, "cpu": 1}}) == "1"
     assert threads({**cpu, "resources": {"gpus": 0, "cpu": "500m"}}) == "1"
-    assert threads({**cpu, "resources": {"gpus": 0, "cpu": "4"}}) == "3"  # the server's rule: CPUs - 1
-    assert threads({**cpu, "resources": {"gpus": 0, "cpu": "2500m"}}) == "2"
+    assert threads({**cpu, "resources": {"gpus": 0, "cpu": "4"}}) == "4"  # the server's rule: every CPU
+    assert threads({**cpu, "resources": {"gpus": 0, "cpu": "2500m"}}) == "2"  # rounded down
     assert threads(cpu) is None  # no request: the server reads its cgroup limit and affinity itself
     assert threads({**HF, "resources": {"cpu": "8"}}) is None  # GPU pods
     with pytest.raises(render.Unrealisable) as err:

@@ -86,12 +86,13 @@ def test_model_that_cannot_load_exits_non_zero_with_the_reason(tmp_path):
     assert "error: loading the model failed" in out.stderr and "missing" in out.stderr
 
 
-def test_engine_threads_leave_a_cpu_to_the_http_side(monkeypatch):
+def test_engine_threads_default_to_the_usable_cpus(monkeypatch):
     from kvfleet_server import cli
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cli, "available_cpus", lambda: 8)
-    assert engine_config(build_parser().parse_args([])).num_threads == 7
+    assert engine_config(build_parser().parse_args([])).num_threads == 8
+    assert engine_config(build_parser().parse_args(["-tp", "2"])).num_threads == 4
     assert engine_config(build_parser().parse_args(["--num-threads", "3"])).num_threads == 3
     monkeypatch.setattr(cli, "available_cpus", lambda: 1)
     assert engine_config(build_parser().parse_args([])).num_threads == 1
