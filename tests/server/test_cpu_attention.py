@@ -56,6 +56,22 @@ def test_kernel_other_head_dims_and_block_sizes(cpu_backend, head_dim, block_siz
     assert res["rel_err"] < 1e-5, res
 
 
+@pytest.mark.parametrize("max_span", [4, 1 << 30], ids=["default-split", "every-span-in-kernel"])
+def test_kernel_spans_over_a_cached_prefix(cpu_backend, monkeypatch, max_span):
+    """Decodes with drafts and short chunks (<= KERNEL_MAX_SPAN rows) attend in the kernel; with the
+    limit lifted every span does (the kernel itself on 7-48-row spans), within the same tolerance."""
+    from kvfleet_server.attention import cpu_backend as mod
+
+    monkeypatch.setattr(mod, "KERNEL_MAX_SPAN", max_span)
+    seqs = [(37, 1), (20, 2), (45, 4), (16, 5), (21, 7), (150, 48)]
+    case = make_case(seqs, 9, 3, 64, 16, torch.float32, seed=7)
+    rows = mod.paged_rows(case.meta)[1]
+    assert len(rows) == (1 + 2 + 4 if max_span == 4 else sum(n for _, n in seqs))
+    res = compare(cpu_backend, TorchAttentionBackend(), case)
+    assert res["rel_err"] < 1e-5, res
+    assert res["cache_equal"]
+
+
 def test_kernel_uses_torch_threads(cpu_backend):
     """The same result with 1 thread and with all of torch's threads (the work split changes)."""
     case = make_case(SEQS["mixed"], 8, 2, 16, 8, torch.float32, seed=5)

@@ -67,7 +67,9 @@ def test_triton_on_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_backend='triton' runs on CUDA.*TRITON_INTERPRET=1"):
         resolve_attention_backend("triton", "cpu")
-    assert resolve_attention_backend("auto", "cpu") == "torch"
+    from kvfleet_server.attention import cpu_ext
+
+    assert resolve_attention_backend("auto", "cpu") == ("cpu" if cpu_ext.load() is not None else "torch")
     assert resolve_attention_backend("auto", "cuda") == "triton"
     assert resolve_attention_backend("torch", "cuda") == "torch"
 

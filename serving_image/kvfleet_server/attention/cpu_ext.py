@@ -5,9 +5,10 @@ project, found next to this interpreter) for a portable instruction-set level â€
 every x86 server CPU since 2013) where the CPU has it, else baseline x86-64 / armv8-a â€” so a library
 built once (``make``, a container image's build stage) runs on any machine of that level. It lives
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in ``kvfleet/<name>``, the name
-carrying the level and a hash of the source, the flags, torch's and Python's versions: a restart loads
-the cached library (milliseconds; ninja only checks it is up to date), and different sources or
-toolchains never share a folder. The first build takes tens of seconds; ``main()`` builds it ahead of
+carrying the level and a hash of the source (its text and its path: torch rebuilds when the source path
+in its build file changes, so two checkouts must not share a folder), the flags, torch's and Python's
+versions: a restart loads the cached library (milliseconds; ninja only checks it is up to date), and
+different sources, checkouts or toolchains never share a folder. The first build takes tens of seconds; ``main()`` builds it ahead of
 time (the Makefile runs it after installing). A build lock older than ``STALE_LOCK_S`` (a build killed
 midway) is removed rather than waited on forever.
 
@@ -61,8 +62,8 @@ def _cflags() -> list[str]:
 
 
 def _name() -> str:
-    key = b"\0".join([SOURCE.read_bytes(), " ".join(_cflags()).encode(), torch.__version__.encode(),
-                      sys.version.encode()])
+    key = b"\0".join([SOURCE.read_bytes(), str(SOURCE).encode(), " ".join(_cflags()).encode(),
+                      torch.__version__.encode(), sys.version.encode()])
     return f"kvfleet_cpu_attn_{isa_level().replace('-', '_') or 'generic'}_{hashlib.sha1(key).hexdigest()[:10]}"
 
 
