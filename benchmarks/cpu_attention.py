@@ -13,12 +13,10 @@ the 48-token row times that path; the kernel's own time on it is printed on the 
 
 from __future__ import annotations
 
-import argparse
 import copy
-import statistics
-import time
 
 import torch
+from _common import kernel_bench_args, median_seconds
 
 from kvfleet_server.attention.cpu_backend import CpuPagedAttentionBackend
 from kvfleet_server.attention.parity import make_case, rel_err, run_backend
@@ -37,22 +35,16 @@ ROWS = {
 def timed(backend, case, repeats: int) -> float:
     """Median seconds of one forward (the same slots rewritten each time; per-step tables rebuilt)."""
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
-    times = []
-    for _ in range(repeats + 1):
+
+    def forward():
         meta = copy.copy(case.meta)
         meta.backend_cache = {}
-        t0 = time.perf_counter()
         backend.forward(case.q, case.k, case.v, kc, vc, meta, case.scale)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return median_seconds(forward, repeats)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--repeats", type=int, default=30)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = kernel_bench_args(__doc__)
     ref, cpu = TorchAttentionBackend(), CpuPagedAttentionBackend()
     print(f"threads {args.threads}; median of {args.repeats} calls of one layer's attention (KV write included)")
     print(f"{'row':44s} {'torch ms':>9s} {'cpu ms':>8s} {'speed-up':>9s} {'rel err':>9s}")

@@ -10,12 +10,9 @@ benchmarks/offline_throughput.py's ``default`` vs ``no-prepack`` variants.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
+from _common import kernel_bench_args, median_seconds
 
 #: (name, K, N): fused qkv, o, gate_up, down, and the (tied) LM head
 SHAPES = [("qkv_proj", 576, 960), ("o_proj", 576, 576), ("gate_up_proj", 576, 3072), ("down_proj", 1536, 576),
@@ -23,22 +20,8 @@ SHAPES = [("qkv_proj", 576, 960), ("o_proj", 576, 576), ("gate_up_proj", 576, 30
 ROWS = [1, 5, 8, 32, 256, 2048]
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--repeats", type=int, default=30)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = kernel_bench_args(__doc__)
     print(f"threads {args.threads}; median of {args.repeats} calls; float32")
     print(f"{'shape':14s} {'rows':>5s} {'F.linear us':>12s} {'prepacked us':>13s} {'speed-up':>9s} {'max rel err':>12s}")
     for name, k, n in SHAPES:
@@ -48,8 +31,8 @@ def main() -> None:
             if name == "lm_head" and m > 256:
                 continue  # the head only projects sampled rows
             x = torch.randn(m, k)
-            a = timed(lambda: F.linear(x, w), args.repeats)
-            b = timed(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), args.repeats)
+            a = median_seconds(lambda: F.linear(x, w), args.repeats)
+            b = median_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), args.repeats)
             ref = F.linear(x.double(), w.double())
             out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").double()
             err = float((out - ref).abs().max() / ref.abs().max())

@@ -21,7 +21,6 @@ paged-attention kernel, oneDNN-prepacked linears, the CPU's compilation default:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -30,6 +29,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+from _common import write_json
 
 
 def make_prompts(n: int, min_len: int, max_len: int, vocab_lo: int = 100, vocab_hi: int = 49000, seed: int = 0):
@@ -214,10 +214,7 @@ def main(argv=None) -> int:
         print(f"ratio kvfleet ({head}) / transformers: {res['ratio']:.2f}x; identical sequences "
               f"{res['identical_sequences']}/{len(prompts)}")
     res["machine"]["loadavg_after"] = os.getloadavg()
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "offline_throughput.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=2)
+    out = write_json(res, "offline_throughput", args.out)
     print(f"wrote {out} (load average before {load_before[0]:.1f}, after {res['machine']['loadavg_after'][0]:.1f})")
     return 0
 

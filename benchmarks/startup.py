@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import httpx
+from _common import write_json
 
 
 def free_port() -> int:
@@ -75,10 +76,7 @@ def main(argv=None) -> int:
            "median_s": {k: statistics.median(v) for k, v in times.items()},
            "targets_s": {"warm": 10, "cold": 60, "eager": 6}}
     print("median launch → /health 200: " + ", ".join(f"{k} {v:.1f}s" for k, v in res["median_s"].items()))
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "startup.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=2)
+    out = write_json(res, "startup", args.out)
     print(f"wrote {out}")
     return 0
 

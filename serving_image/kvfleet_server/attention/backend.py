@@ -51,16 +51,17 @@ class DecodeGroup:
     Attributes:
         start, count: rows [start, start + count) of the flat batch.
         block_tables: [count, max_blocks] int64 (padded with a valid block id; masked out).
-        mask: [count, 1, 1, max_blocks * block_size] bool, True for key positions < context length.
-        context_lens: [count] int64 context lengths (the new token included), when the builder has
-            them (the kernels of the Triton backend read these instead of the mask).
+        mask: [count, 1, 1, max_blocks * block_size] bool, True for key positions < context length
+            (the torch backend's SDPA key-padding mask).
+        context_lens: [count] int64 context lengths (the new token included; the kernels of the CPU
+            and Triton backends read these).
     """
 
     start: int
     count: int
     block_tables: torch.Tensor
     mask: torch.Tensor
-    context_lens: torch.Tensor | None = None
+    context_lens: torch.Tensor
 
 
 @dataclass

@@ -36,7 +36,7 @@ def paged_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
         tables.append(g.block_tables)
         rows.append(torch.arange(g.start, g.start + g.count))
         seqs.append(torch.arange(s, s + g.count))
-        lens.append(g.context_lens if g.context_lens is not None else g.mask[:, 0, 0, :].sum(-1))
+        lens.append(g.context_lens)
         s += g.count
     for p in meta.prefills:
         if not _in_kernel(p):
@@ -71,6 +71,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         k, v = write_kv(k, v, k_cache, v_cache, meta, kv_scales)
+        read = cache_reader(k_cache, kv_scales, q.dtype)
         out = torch.empty_like(q)
         cache = meta.backend_cache
         if "cpu_rows" not in cache:
@@ -84,6 +85,5 @@ class CpuPagedAttentionBackend(AttentionBackend):
             if p.mask is None:
                 out[rows_] = causal_prefill(q[rows_], k[rows_], v[rows_], scale)
             elif not _in_kernel(p):
-                out[rows_] = masked_prefill(q[rows_], k_cache, v_cache, p, cache_reader(k_cache, kv_scales, q.dtype),
-                                            scale)
+                out[rows_] = masked_prefill(q[rows_], k_cache, v_cache, p, read, scale)
         return out

@@ -23,7 +23,7 @@ from .triton_prefill import paged_extend_attention
 def _decode_inputs(meta: AttentionMetadata, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(block tables [D, max_blocks], context lengths [D]) of all decode groups stacked."""
     groups = meta.decode_groups
-    lens = [g.context_lens if g.context_lens is not None else g.mask[:, 0, 0, :].sum(-1) for g in groups]
+    lens = [g.context_lens for g in groups]
     if len(groups) == 1:
         return groups[0].block_tables, lens[0]
     width = max(g.block_tables.shape[1] for g in groups)
