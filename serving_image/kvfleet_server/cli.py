@@ -208,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kvfleet's flag: on the CPU without torch.compile, hold float32 linear weights in oneDNN's "
                         "prepacked layout and multiply with oneDNN (faster at decode's few rows than MKL, which "
                         "re-packs the weight every call); --no-cpu-weight-prepack keeps F.linear")
+    e.add_argument("--cpu-fused-ops", action=argparse.BooleanOptionalAction, default=_engine_default("cpu_fused_ops"),
+                   help="kvfleet's flag: on the CPU without torch.compile, run each layer's RMSNorm, residual add + "
+                        "RMSNorm, RoPE and SiLU-and-mul in fused C++ kernels (one pass over memory each); "
+                        "--no-cpu-fused-ops keeps torch's operator-by-operator ops")
     e.add_argument("--attention-backend", default=_engine_default("attention_backend"),
                    choices=list(_config().ATTENTION_BACKEND_CHOICES),
                    help="kvfleet's flag (vLLM uses the VLLM_ATTENTION_BACKEND environment variable): auto = the "
@@ -278,7 +282,7 @@ ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_mem
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
                  "speculative_config", "seed", "num_threads", "max_logprobs",
                  "structured_outputs_config", "enable_jump_forward", "attention_backend", "enforce_eager",
-                 "compilation_config", "cpu_weight_prepack")
+                 "compilation_config", "cpu_weight_prepack", "cpu_fused_ops")
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:

@@ -106,6 +106,10 @@ class EngineConfig:
         cpu_weight_prepack: at compilation level 0 on the CPU, hold the unquantized float32 linears'
             weights in oneDNN's prepacked layout and multiply with oneDNN (model/layers/cpu_prepack.py;
             kvfleet's ``--[no-]cpu-weight-prepack``). Default True; False keeps ``F.linear`` (MKL).
+        cpu_fused_ops: at compilation level 0 on the CPU, run each layer's RMSNorm, residual add + RMSNorm,
+            RoPE and SiLU-and-mul in kvfleet's fused C++ kernels (model/layers/layer_ops.py; kvfleet's
+            ``--[no-]cpu-fused-ops``). Default True (torch's ops when the kernels cannot be built); False
+            keeps torch's operator-by-operator reference.
     """
 
     model: str | None = None
@@ -133,6 +137,7 @@ class EngineConfig:
     enforce_eager: bool = False
     compilation_config: dict | None = None
     cpu_weight_prepack: bool = True
+    cpu_fused_ops: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

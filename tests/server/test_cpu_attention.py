@@ -155,5 +155,5 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
 
 def test_build_folder_names_the_isa_level_and_source_hash():
     name = cpu_ext._name()
-    assert name.startswith("kvfleet_cpu_attn_") and cpu_ext.isa_level().replace("-", "_") in name
+    assert name.startswith("kvfleet_cpu_ops_") and cpu_ext.isa_level().replace("-", "_") in name
     assert cpu_ext.build_directory(name).endswith(os.path.join("kvfleet", name))

@@ -1,4 +1,6 @@
-"""Build and load kvfleet's C++ CPU paged-attention kernel (``csrc/paged_attention_cpu.cpp``).
+"""Build and load kvfleet's C++ CPU kernels, one library from ``csrc/``: paged attention
+(``paged_attention_cpu.cpp``) and a decoder layer's fused element-wise ops (``layer_ops_cpu.cpp``:
+RMSNorm, residual add + RMSNorm, RoPE, SiLU-and-mul), sharing ``vec_avx2.h``.
 
 Built with ``torch.utils.cpp_extension.load`` (g++, and ninja: the ``ninja`` package installed with the
 project, found next to this interpreter) for a portable instruction-set level — x86-64-v3 (AVX2 + FMA:
@@ -30,7 +32,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp")
+HEADERS = (CSRC / "vec_avx2.h",)
 STALE_LOCK_S = 600
 _X86_V3 = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}
 _state: dict = {}
@@ -58,13 +62,15 @@ def isa_level() -> str:
 
 def _cflags() -> list[str]:
     level = isa_level()
-    return ["-O3", "-fopenmp"] + ([f"-march={level}"] if level else [])
+    # no contraction of a * b + c into FMAs outside the explicit intrinsics: the element-wise ops then
+    # round like torch's operator-by-operator reference
+    return ["-O3", "-fopenmp", "-ffp-contract=off"] + ([f"-march={level}"] if level else [])
 
 
 def _name() -> str:
-    key = b"\0".join([SOURCE.read_bytes(), str(SOURCE).encode(), " ".join(_cflags()).encode(),
-                      torch.__version__.encode(), sys.version.encode()])
-    return f"kvfleet_cpu_attn_{isa_level().replace('-', '_') or 'generic'}_{hashlib.sha1(key).hexdigest()[:10]}"
+    files = [part for f in SOURCES + HEADERS for part in (f.read_bytes(), str(f).encode())]
+    key = b"\0".join(files + [" ".join(_cflags()).encode(), torch.__version__.encode(), sys.version.encode()])
+    return f"kvfleet_cpu_ops_{isa_level().replace('-', '_') or 'generic'}_{hashlib.sha1(key).hexdigest()[:10]}"
 
 
 def build_directory(name: str) -> str:
@@ -105,7 +111,7 @@ def load():
         name = _name()
         path = build_directory(name)
         _clear_stale_lock(path)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+        cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
                            build_directory=path, is_python_module=False, verbose=False)
         op = torch.ops.kvfleet.paged_attention_cpu
     except Exception as exc:  # no compiler / ninja / headers: the torch backend serves instead
@@ -127,6 +133,6 @@ def main() -> int:
     installing: ``python -c 'from kvfleet_server.attention.cpu_ext import main; main()'``."""
     t0 = time.perf_counter()
     ok = load() is not None
-    print(f"kvfleet CPU paged attention ({isa_level() or 'generic'}): "
+    print(f"kvfleet CPU kernels ({isa_level() or 'generic'}): "
           f"{'ready' if ok else 'unavailable: ' + str(load_error())} ({time.perf_counter() - t0:.1f} s)")
     return 0 if ok else 1

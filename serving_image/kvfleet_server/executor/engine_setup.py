@@ -177,11 +177,20 @@ def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = 
 def prepare_model(config: EngineConfig, model, tp: TPGroup) -> None:
     """After loading, the model's kernels for the configuration. At compilation level 3
     (``EngineConfig.resolved_compilation_level``: the default on CUDA, ``-O3`` elsewhere): torch.compile
-    the decoder layers piecewise and warm them up (``model/compile.py``). At level 0 on the CPU with
-    ``cpu_weight_prepack``: the float32 linears' weights prepacked for oneDNN
-    (``model/layers/cpu_prepack.py``). Collective under tensor parallelism: every rank calls it after loading."""
+    the decoder layers piecewise and warm them up (``model/compile.py``). At level 0 on the CPU: with
+    ``cpu_fused_ops``, the layers' element-wise work in kvfleet's fused C++ kernels
+    (``model/layers/layer_ops.py``; torch's ops when the kernels cannot be built); with
+    ``cpu_weight_prepack``, the float32 linears' weights prepacked for oneDNN (``model/layers/cpu_prepack.py``). Collective under tensor parallelism: every rank calls it after loading."""
     dev = tp.device if tp.is_parallel else torch.device(config.resolved_device())
     if config.resolved_compilation_level() == 0:
+        if dev.type == "cpu" and config.cpu_fused_ops:
+            from ..model.layers.layer_ops import cpu_layer_ops, use_layer_ops
+
+            ops = cpu_layer_ops()
+            if ops is not None:
+                use_layer_ops(model, ops)
+                logger.info("fused CPU layer ops: RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul "
+                            "(--no-cpu-fused-ops keeps torch's)")
         if dev.type == "cpu" and config.cpu_weight_prepack:
             from ..model.layers.cpu_prepack import can_prepack, prepack_linears
 

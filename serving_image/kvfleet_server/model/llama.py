@@ -14,17 +14,17 @@ Hidden states between layers are full and identical on every rank.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..executor.distributed import TPGroup
 from .config import ModelConfig
 from .layers.embedding import VocabEmbedding, gather_logits
+from .layers.layer_ops import TORCH_OPS
 from .layers.linear import Linear
 from .layers.quant import QuantConfig
 from .sharding import TPShard, tp_shard
-from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .rope import rope_cos_sin, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
@@ -36,13 +36,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return TORCH_OPS.rms_norm(x, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
+    #: the element-wise ops (norms, RoPE, SiLU-and-mul): the torch reference, or fused CPU kernels
+    #: (``layers/layer_ops.use_layer_ops``)
+    ops = TORCH_OPS
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, quant_config: QuantConfig | None = None,
                  tp: TPGroup | None = None, shard: TPShard | None = None):
         super().__init__()
@@ -91,12 +92,11 @@ class DecoderLayer(nn.Module):
 def layer_pre_attention(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """h [T, hidden] → q [T, heads, head_dim], k, v [T, kv_heads, head_dim]: RMSNorm → fused qkv
     projection → RoPE of one layer."""
-    T = h.shape[0]
-    x = layer.input_layernorm(h)
-    qkv = layer.qkv_proj(x)
+    T, ops, norm = h.shape[0], layer.ops, layer.input_layernorm
+    qkv = layer.qkv_proj(ops.rms_norm(h, norm.weight, norm.eps))
     q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-    q = apply_rope(q.view(T, layer.num_heads, layer.head_dim), cos, sin)
-    k = apply_rope(k.view(T, layer.num_kv_heads, layer.head_dim), cos, sin)
+    q, k = ops.rope(q.view(T, layer.num_heads, layer.head_dim), k.view(T, layer.num_kv_heads, layer.head_dim),
+                    cos, sin)
     v = v.reshape(T, layer.num_kv_heads, layer.head_dim)
     return q, k, v
 
@@ -104,10 +104,9 @@ def layer_pre_attention(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor,
 def layer_post_attention(layer: DecoderLayer, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Residual h [T, hidden] and attention output [T, heads, head_dim] → next residual [T, hidden]:
     o_proj + residual → RMSNorm → SwiGLU MLP + residual of one layer."""
-    h = h + layer.o_proj(attn.reshape(h.shape[0], layer.q_size))
-    x = layer.post_attention_layernorm(h)
-    gate, up = layer.gate_up_proj(x).split(layer.intermediate_size, dim=-1)
-    return h + layer.down_proj(F.silu(gate) * up)
+    ops, norm = layer.ops, layer.post_attention_layernorm
+    x, h = ops.add_rms_norm(layer.o_proj(attn.reshape(h.shape[0], layer.q_size)), h, norm.weight, norm.eps)
+    return h + layer.down_proj(ops.silu_and_mul(layer.gate_up_proj(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -140,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
         #: (pre-attention, post-attention) callables of every layer: eager, or compiled (model/compile.py)
         self.pieces = (layer_pre_attention, layer_post_attention)
         self.compiled = False
+        self.layer_ops = TORCH_OPS  # see DecoderLayer.ops
 
     def init_rope(self, max_positions: int, device=None) -> None:
         """(Re)build the float32 cos/sin tables for positions [0, max_positions) on ``device``.
@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
             q, k, v = pre(layer, h, cos, sin)
             attn = backend.forward(q, k, v, kv[0], kv[1], meta, layer.scale, kv_scales=kv[2])
             h = post(layer, h, attn)
-        return self.norm(h)
+        return self.layer_ops.rms_norm(h, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [N, hidden] → logits [N, vocab] float32 (None on tensor-parallel ranks other than 0,

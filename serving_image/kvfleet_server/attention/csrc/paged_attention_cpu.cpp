@@ -15,6 +15,8 @@
 #include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
+#include "vec_avx2.h"
+
 #include <algorithm>
 #include <cstring>
 #include <cmath>
@@ -22,6 +24,12 @@
 #include <vector>
 
 namespace {
+
+#ifdef KVFLEET_AVX2
+using kvfleet_vec::exp8;
+using kvfleet_vec::fmadd;
+using kvfleet_vec::hsum8x8;
+#endif
 
 // float32 view of one token's head_dim values: a float32 cache is read in place, other dtypes are
 // converted into the scratch row (fp8 through a 256-entry table, cheaper than bit decoding).
@@ -65,6 +73,86 @@ inline void prefetch_row(const c_t* p, int64_t D) {
   for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(c_t)); b += 64) __builtin_prefetch(c + b);
 }
 
+// scores[t] = q . k_t for 8 key rows (float32, D values each)
+inline void dot8(const float* q, const float* const* k, int64_t D, float* scores) {
+#ifdef KVFLEET_AVX2
+  if (D % 8 == 0) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int j = 0; j < 8; ++j) acc[j] = fmadd(qv, _mm256_loadu_ps(k[j] + d), acc[j]);
+    }
+    _mm256_storeu_ps(scores, hsum8x8(acc));
+    return;
+  }
+#endif
+  for (int j = 0; j < 8; ++j) {
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < D; ++d) s += q[d] * k[j][d];
+    scores[j] = s;
+  }
+}
+
+// s[0:L] <- exp(s - max(s)); returns sum(exp(s - max))
+inline float softmax_numerator(float* s, int64_t L) {
+  float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+  int64_t t = 0;
+#ifdef KVFLEET_AVX2
+  if (L >= 8) {
+    __m256 mv = _mm256_set1_ps(m);
+    for (; t + 8 <= L; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    m = kvfleet_vec::hmax(mv);
+  }
+  for (; t < L; ++t) m = std::max(m, s[t]);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sv = _mm256_setzero_ps();
+  for (t = 0; t + 8 <= L; t += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    _mm256_storeu_ps(s + t, e);
+    sv = _mm256_add_ps(sv, e);
+  }
+  sum = kvfleet_vec::hsum(sv);
+#else
+  for (; t < L; ++t) m = std::max(m, s[t]);
+  t = 0;
+#endif
+  for (; t < L; ++t) {
+    s[t] = std::exp(s[t] - m);
+    sum += s[t];
+  }
+  return sum;
+}
+
+#ifdef KVFLEET_AVX2
+// acc[g][:] = sum_t p[g][t] v_t for NG (<= 3) query heads, 32 of the D values at a time so that the
+// NG x 4 accumulators stay in registers; each pass over the tokens reads a different half-row of V
+// (two 64-byte lines of a float32 cache), so V still crosses memory once.
+template <int NG, typename RowFn>
+inline void weighted_sum_v(const float* p, int64_t Lp, int64_t L, int64_t D, const RowFn& v_row, float* acc) {
+  for (int64_t c = 0; c < D; c += 32) {
+    __m256 a[NG][4];
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      const float* v = v_row(t, c);
+      const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                   v3 = _mm256_loadu_ps(v + 24);
+      for (int g = 0; g < NG; ++g) {
+        const __m256 w = _mm256_broadcast_ss(p + g * Lp + t);
+        a[g][0] = fmadd(w, v0, a[g][0]);
+        a[g][1] = fmadd(w, v1, a[g][1]);
+        a[g][2] = fmadd(w, v2, a[g][2]);
+        a[g][3] = fmadd(w, v3, a[g][3]);
+      }
+    }
+    for (int g = 0; g < NG; ++g)
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(acc + g * D + c + 8 * i, a[g][i]);
+  }
+}
+#endif
+
 template <typename q_t, typename c_t, typename load_t>
 void attend(at::Tensor& out, const at::Tensor& q, const c_t* k_base, const c_t* v_base,
             const at::Tensor& k_cache, const at::Tensor& tables, const at::Tensor& rows,
@@ -83,64 +171,64 @@ void attend(at::Tensor& out, const at::Tensor& q, const c_t* k_base, const c_t* 
   const int64_t* rl = row_len.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
 
-  // fn(t, row) for the first L tokens of a block table, row = kv head kh's head_dim values as float32;
-  // the next block is prefetched while one is read
-  auto for_each_token = [&](const c_t* base, const int64_t* table, int64_t L, int64_t kh, const load_t& load,
-                            float* scratch, auto&& fn) {
-    for (int64_t t0 = 0; t0 < L; t0 += BS) {
-      const c_t* blk = base + table[t0 / BS] * blk_stride + kh * D;
-      const c_t* next = t0 + BS < L ? base + table[t0 / BS + 1] * blk_stride + kh * D : nullptr;
-      const int64_t n = std::min(BS, L - t0);
-      for (int64_t o = 0; o < n; ++o) {
-        if (next) prefetch_row(next + o * tok_stride, D);
-        fn(t0 + o, load.row(blk + o * tok_stride, scratch, D));
-      }
-    }
-  };
-
   at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, qf(G * D), acc(G * D), kf(D), vf(D), inv_sum(G);
+    // scores: G rows of Lp = L rounded up to 8 (pass 1 writes 8 at a time); scratch: 8 converted K rows
+    std::vector<float> scores, qf(G * D), acc(G * D), scratch(8 * D), inv_sum(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / KVH, kh = item % KVH;
-      const int64_t row = rw[r], L = rl[r];
+      const int64_t row = rw[r], L = rl[r], Lp = (L + 7) / 8 * 8;
       const int64_t* table = tab + rs[r] * W;
-      scores.resize(G * L);
+      auto token = [&](const c_t* base, int64_t t) {  // kv head kh's D values of token t
+        return base + table[t / BS] * blk_stride + (t % BS) * tok_stride + kh * D;
+      };
+      scores.resize(G * Lp);
       for (int64_t g = 0; g < G; ++g) {
         const q_t* src = qp + row * q_s0 + (kh * G + g) * q_s1;
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(src[d]) * sc;
       }
-      // pass 1: scores[g][t] = q_g . k_t over the visible keys
-      for_each_token(k_base, table, L, kh, load_k, kf.data(), [&](int64_t t, const float* kt) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * kt[d];
-          scores[g * L + t] = s;
+      // pass 1: scores[g][t] = q_g . k_t, 8 keys at a time (a short last group repeats its last key)
+      for (int64_t t0 = 0; t0 < L; t0 += 8) {
+        const float* k8[8];
+        for (int j = 0; j < 8; ++j) {
+          const int64_t t = std::min(t0 + j, L - 1);
+          k8[j] = load_k.row(token(k_base, t), scratch.data() + j * D, D);
+          if (t0 + 8 + j < L) prefetch_row(token(k_base, t0 + 8 + j), D);
         }
-      });
-      // softmax per query head (float32, max-subtracted)
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          sg[t] = std::exp(sg[t] - m);
-          sum += sg[t];
-        }
-        inv_sum[g] = 1.f / sum;
+        for (int64_t g = 0; g < G; ++g) dot8(qf.data() + g * D, k8, D, scores.data() + g * Lp + t0);
       }
+      for (int64_t g = 0; g < G; ++g) inv_sum[g] = 1.f / softmax_numerator(scores.data() + g * Lp, L);
       // pass 2: acc[g] = sum_t p[g][t] v_t
+#ifdef KVFLEET_AVX2
+      if (D % 32 == 0) {
+        auto v_row = [&](int64_t t, int64_t c) {
+          const c_t* src = token(v_base, t);
+          if (c == 0 && t + 4 < L) prefetch_row(token(v_base, t + 4), D);
+          return load_v.row(src + c, scratch.data(), 32);
+        };
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {
+          const float* p = scores.data() + g0 * Lp;
+          float* a = acc.data() + g0 * D;
+          switch (std::min<int64_t>(3, G - g0)) {
+            case 3: weighted_sum_v<3>(p, Lp, L, D, v_row, a); break;
+            case 2: weighted_sum_v<2>(p, Lp, L, D, v_row, a); break;
+            default: weighted_sum_v<1>(p, Lp, L, D, v_row, a);
+          }
+        }
+      } else
+#endif
+      {
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_token(v_base, table, L, kh, load_v, vf.data(), [&](int64_t t, const float* vt) {
+      for (int64_t t = 0; t < L; ++t) {
+        if (t + 4 < L) prefetch_row(token(v_base, t + 4), D);
+        const float* vt = load_v.row(token(v_base, t), scratch.data(), D);
         for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * L + t];
+          const float w = scores[g * Lp + t];
           float* ag = acc.data() + g * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] += w * vt[d];
         }
-      });
+      }
+      }
       for (int64_t g = 0; g < G; ++g) {
         q_t* dst = op + row * o_s0 + (kh * G + g) * o_s1;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[g * D + d] * inv_sum[g]);
