@@ -69,14 +69,44 @@ def test_gguf_tensors_are_writable_float32_copies(readers):
         assert np.array_equal(w.numpy(), np.asarray(t.data, dtype=np.float32).reshape(w.shape))
 
 
-@pytest.fixture(scope="module")
-def tokenizers(gguf_path):
+@pytest.fixture(scope="module", params=["converted", "from the cache"])
+def tokenizers(gguf_path, request, tmp_path_factory):
+    """transformers' AutoTokenizer, and kvfleet's: converted from the GGUF (which saves it), or loaded back
+    from the tokenizer cache by a second start."""
     from transformers import AutoTokenizer
 
     from kvfleet_server.model.tokenizer import Tokenizer
 
     ref = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
-    return ref, Tokenizer.from_path(gguf_path, gguf_architecture="llama")
+    cache = tmp_path_factory.mktemp("tokenizers")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVFLEET_TOKENIZER_CACHE", str(cache))
+        tok = Tokenizer.from_path(gguf_path, gguf_architecture="llama")
+        assert len(os.listdir(cache)) == 1 and os.path.isfile(cache / os.listdir(cache)[0] / "tokenizer.json")
+        if request.param == "from the cache":
+            tok = Tokenizer.from_path(gguf_path, gguf_architecture="llama")
+            assert len(os.listdir(cache)) == 1
+    return ref, tok
+
+
+def test_tokenizer_cache_key_follows_the_file_and_an_unwritable_cache_only_costs_time(gguf_path, tmp_path,
+                                                                                     monkeypatch):
+    from kvfleet_server.model import tokenizer as tk
+
+    monkeypatch.setenv("KVFLEET_TOKENIZER_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"  # the key reads only the file's metadata
+    f.write_bytes(b"GGUF")
+    a = tk._gguf_cache_entry(str(f), "llama")
+    assert tk._gguf_cache_entry(gguf_path, "llama") != a  # another file
+    assert tk._gguf_cache_entry(str(f), "qwen2") != a
+    st = os.stat(f)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert tk._gguf_cache_entry(str(f), "llama") != a  # the file changed
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv("KVFLEET_TOKENIZER_CACHE", str(blocker / "cache"))
+    tok = tk.Tokenizer.from_path(gguf_path, gguf_architecture="llama")
+    assert tok.encode("Hello world") and tok.vocab_size == 49152
 
 
 @pytest.mark.parametrize("text", STRINGS)

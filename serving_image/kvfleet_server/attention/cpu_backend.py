@@ -19,7 +19,7 @@ from .backend import AttentionBackend, AttentionMetadata
 from .torch_ref import cache_reader, causal_prefill, masked_prefill, write_kv
 
 #: spans over a cached prefix with at most this many rows go through the kernel, longer ones through SDPA
-KERNEL_MAX_SPAN = 4  # benchmarks/cpu_attention.py: 5 rows over 1,400 tokens 1.01x, 16 rows 0.45x
+KERNEL_MAX_SPAN = 8  # benchmarks/cpu_attention.py over a 1,400-token prefix: 5 rows 1.5x, 8 rows 1.1x, 16 rows 0.8x
 
 
 def _in_kernel(p) -> bool:

@@ -3,9 +3,66 @@ also builds tokenizers from GGUF metadata) plus the model's jinja2 chat template
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
+import shutil
+import tempfile
 
 from ..errors import InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+
+def tokenizer_cache_dir() -> str:
+    """Where tokenizers built from GGUF metadata are kept: ``$KVFLEET_TOKENIZER_CACHE`` if set, else
+    ``$XDG_CACHE_HOME/kvfleet/tokenizers`` (``~/.cache/kvfleet/tokenizers``)."""
+    if os.environ.get("KVFLEET_TOKENIZER_CACHE"):
+        return os.environ["KVFLEET_TOKENIZER_CACHE"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvfleet", "tokenizers")
+
+
+def _gguf_cache_entry(path: str, architecture: str | None) -> str:
+    """The cache folder of one GGUF's tokenizer: keyed by the file (absolute path, size, mtime), its
+    architecture and the transformers version that converted it, so a changed file or library rebuilds."""
+    import transformers
+
+    st = os.stat(path)
+    key = "\0".join([os.path.abspath(path), str(st.st_size), str(st.st_mtime_ns), str(architecture),
+                     transformers.__version__])
+    return os.path.join(tokenizer_cache_dir(), hashlib.sha1(key.encode()).hexdigest()[:16])
+
+
+def _load_gguf_tokenizer(path: str, architecture: str | None):
+    """transformers' tokenizer for a GGUF, from the cache when a previous start saved it (tokenizer.json:
+    ~0.3 s) else converted from the GGUF's tokenizer.ggml.* metadata (~2.5 s for SmolLM2's 49,152 tokens
+    and merges) and saved for the next start. A cache that cannot be written (read-only file system)
+    only costs the conversion each start."""
+    folder, name = os.path.dirname(path) or ".", os.path.basename(path)
+    if architecture == "llama":
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend as cls
+    else:
+        from transformers import AutoTokenizer as cls
+    entry = _gguf_cache_entry(path, architecture)
+    if os.path.isfile(os.path.join(entry, "tokenizer.json")):
+        try:
+            return cls.from_pretrained(entry)
+        except Exception as exc:  # a damaged entry: rebuild it
+            log.warning("tokenizer cache entry %s unreadable (%s); converting the GGUF's again", entry, exc)
+            shutil.rmtree(entry, ignore_errors=True)
+    hf = cls.from_pretrained(folder, gguf_file=name)
+    try:
+        os.makedirs(os.path.dirname(entry), exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=os.path.dirname(entry), prefix=".tmp-")
+        hf.save_pretrained(tmp)
+        try:
+            os.rename(tmp, entry)  # atomic: a concurrent start sees a whole entry or none
+        except OSError:  # another process saved it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        log.info("tokenizer cache not written (%s): the GGUF's tokenizer is converted at each start", exc)
+    return hf
 
 
 class Tokenizer:
@@ -38,18 +95,11 @@ class Tokenizer:
         For "llama" the tokenizer is built by the class ``AutoTokenizer`` would pick (transformers'
         generic ``TokenizersBackend``, from the GGUF's tokenizer.ggml.* metadata) without
         ``AutoTokenizer``'s extra full parse of the GGUF to build a model config: same tokenizer,
-        ~2 s less start-up on SmolLM2. Other architectures go through ``AutoTokenizer``.
+        ~2 s less start-up on SmolLM2. Other architectures go through ``AutoTokenizer``. A GGUF's
+        converted tokenizer is cached on disk (``tokenizer_cache_dir``): a restart loads it in ~0.3 s.
         """
         if path.endswith(".gguf") and os.path.isfile(path):
-            folder, name = os.path.dirname(path) or ".", os.path.basename(path)
-            if gguf_architecture == "llama":
-                from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-                hf = TokenizersBackend.from_pretrained(folder, gguf_file=name)
-            else:
-                from transformers import AutoTokenizer
-
-                hf = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            hf = _load_gguf_tokenizer(path, gguf_architecture)
         elif os.path.isdir(path):
             from transformers import AutoTokenizer
 
