@@ -13,7 +13,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "vec_avx2.h"
 

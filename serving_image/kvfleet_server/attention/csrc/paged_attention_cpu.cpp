@@ -1,10 +1,12 @@
 // Paged attention on the CPU, reading K/V in place through block tables (no gather, no padding).
 //
 // One work item = one query row x one kv head: the row's G = num_heads / num_kv_heads query heads
-// share every K/V load (GQA). Scores over the row's visible keys are computed block by block into a
+// share every K/V load (GQA). Scores over the row's visible keys are computed 8 keys at a time into a
 // thread-local buffer, soft-maxed in float32, then V is accumulated in float32 — the two-pass form of
-// vLLM's CPU paged attention (PagedAttention, Kwon et al. 2023). Work items are spread over torch's
-// own OpenMP pool with at::parallel_for, so the kernel respects torch.set_num_threads.
+// vLLM's CPU paged attention (PagedAttention, Kwon et al. 2023); the next keys are prefetched while
+// one group is read. The x86-64-v3 build runs the inner loops in AVX2 (vec_avx2.h), others in scalar
+// loops. Work items are spread over torch's own OpenMP pool with at::parallel_for, so the kernel
+// respects torch.set_num_threads.
 //
 // Registered as torch.ops.kvfleet.paged_attention_cpu (an opaque op for torch.compile).
 
@@ -136,7 +138,7 @@ inline void weighted_sum_v(const float* p, int64_t Lp, int64_t L, int64_t D, con
     for (int g = 0; g < NG; ++g)
       for (int i = 0; i < 4; ++i) a[g][i] = _mm256_setzero_ps();
     for (int64_t t = 0; t < L; ++t) {
-      const float* v = v_row(t, c);
+      const float* v = v_row(t, c, 32);
       const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
                    v3 = _mm256_loadu_ps(v + 24);
       for (int g = 0; g < NG; ++g) {
@@ -152,6 +154,22 @@ inline void weighted_sum_v(const float* p, int64_t Lp, int64_t L, int64_t D, con
   }
 }
 #endif
+
+// the same for any D and G: every row of V once, the G accumulators in memory
+template <typename RowFn>
+inline void weighted_sum_v_scalar(const float* p, int64_t Lp, int64_t L, int64_t D, int64_t G, const RowFn& v_row,
+                                  float* acc) {
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t t = 0; t < L; ++t) {
+    const float* vt = v_row(t, 0, D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = p[g * Lp + t];
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += w * vt[d];
+    }
+  }
+}
 
 template <typename q_t, typename c_t, typename load_t>
 void attend(at::Tensor& out, const at::Tensor& q, const c_t* k_base, const c_t* v_base,
@@ -198,13 +216,12 @@ void attend(at::Tensor& out, const at::Tensor& q, const c_t* k_base, const c_t* 
       }
       for (int64_t g = 0; g < G; ++g) inv_sum[g] = 1.f / softmax_numerator(scores.data() + g * Lp, L);
       // pass 2: acc[g] = sum_t p[g][t] v_t
+      auto v_row = [&](int64_t t, int64_t c, int64_t n) {  // values [c, c + n) of token t's V, as float32
+        if (c == 0 && t + 4 < L) prefetch_row(token(v_base, t + 4), D);
+        return load_v.row(token(v_base, t) + c, scratch.data(), n);
+      };
 #ifdef KVFLEET_AVX2
       if (D % 32 == 0) {
-        auto v_row = [&](int64_t t, int64_t c) {
-          const c_t* src = token(v_base, t);
-          if (c == 0 && t + 4 < L) prefetch_row(token(v_base, t + 4), D);
-          return load_v.row(src + c, scratch.data(), 32);
-        };
         for (int64_t g0 = 0; g0 < G; g0 += 3) {
           const float* p = scores.data() + g0 * Lp;
           float* a = acc.data() + g0 * D;
@@ -216,19 +233,7 @@ void attend(at::Tensor& out, const at::Tensor& q, const c_t* k_base, const c_t* 
         }
       } else
 #endif
-      {
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        if (t + 4 < L) prefetch_row(token(v_base, t + 4), D);
-        const float* vt = load_v.row(token(v_base, t), scratch.data(), D);
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * Lp + t];
-          float* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += w * vt[d];
-        }
-      }
-      }
+        weighted_sum_v_scalar(scores.data(), Lp, L, D, G, v_row, acc.data());
       for (int64_t g = 0; g < G; ++g) {
         q_t* dst = op + row * o_s0 + (kh * G + g) * o_s1;
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[g * D + d] * inv_sum[g]);
