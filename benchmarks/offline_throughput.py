@@ -8,9 +8,11 @@ SmolLM2-135M-Instruct GGUF. Prints output tokens/s of each, the ratios, token id
 transformers, and where kvfleet's step time goes (model forward, logits, sampler, the rest: scheduler,
 detokenizer, Python); with ``--repeats N`` each kvfleet variant runs N times, alternating, and the median
 is reported. Variants (``--variants``): ``default`` = ``LLM(model)`` as a user gets it (the C++ CPU
-paged-attention kernel, oneDNN-prepacked linears, the CPU's compilation default: eager), ``no-prepack``
-= the same with ``F.linear``, ``compiled`` = ``-O3`` (piecewise torch.compile), ``before`` = eager with
-``--attention-backend torch`` and ``F.linear`` (the engine before the CPU kernel and prepacking). Writes JSON under benchmarks/results/.
+paged-attention kernel and fused layer ops, oneDNN-prepacked linears, the CPU's compilation default:
+eager), ``no-prepack`` = the same with ``F.linear``, ``no-fused-ops`` = the same with torch's
+element-wise ops, ``compiled`` = ``-O3`` (piecewise torch.compile), ``before`` = eager with
+``--attention-backend torch``, ``F.linear`` and torch's element-wise ops (the engine before the CPU
+kernels and prepacking). Writes JSON under benchmarks/results/.
 
     python benchmarks/offline_throughput.py                        # the peer workload
     python benchmarks/offline_throughput.py --repeats 3 --threads 2
@@ -77,8 +79,10 @@ def step_breakdown(llm):
 VARIANTS = {
     "default": {},
     "no-prepack": {"cpu_weight_prepack": False},
+    "no-fused-ops": {"cpu_fused_ops": False},
     "compiled": {"compilation_config": {"level": 3}},
-    "before": {"attention_backend": "torch", "cpu_weight_prepack": False, "enforce_eager": True},
+    "before": {"attention_backend": "torch", "cpu_weight_prepack": False, "cpu_fused_ops": False,
+               "enforce_eager": True},
 }
 
 

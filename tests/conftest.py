@@ -1,2 +1,12 @@
-"""Suite-wide settings (none at present: on the CPU engines run eagerly unless a test asks for
-``compilation_config={"level": 3}``, as tests/server/test_engine_compile.py does)."""
+"""Suite-wide settings. On the CPU engines run eagerly unless a test asks for
+``compilation_config={"level": 3}`` (tests/server/test_engine_compile.py does). Tokenizers converted from
+GGUF metadata are cached in a folder of this test session (``KVFLEET_TOKENIZER_CACHE``), not the user's
+~/.cache: results never depend on what an earlier run left there."""
+
+import atexit
+import os
+import shutil
+import tempfile
+
+os.environ["KVFLEET_TOKENIZER_CACHE"] = tempfile.mkdtemp(prefix="kvfleet-test-tokenizers-")
+atexit.register(shutil.rmtree, os.environ["KVFLEET_TOKENIZER_CACHE"], True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvfleet_server.attention import cpu_ext, resolve_attention_backend
-from kvfleet_server.attention.parity import GQA, SEQS, compare, make_case
+from kvfleet_server.attention.parity import GQA, SEQS, compare, make_case, run_backend
 from kvfleet_server.attention.torch_ref import TorchAttentionBackend
 
 pytestmark = pytest.mark.skipif(cpu_ext.load() is None, reason=f"CPU kernel not built: {cpu_ext.load_error()}")
@@ -157,3 +157,26 @@ def test_build_folder_names_the_isa_level_and_source_hash():
     name = cpu_ext._name()
     assert name.startswith("kvfleet_cpu_ops_") and cpu_ext.isa_level().replace("-", "_") in name
     assert cpu_ext.build_directory(name).endswith(os.path.join("kvfleet", name))
+
+
+@pytest.mark.parametrize("where", ["q", "k_cache"])
+@pytest.mark.parametrize("ctx", [4, 15, 40])
+def test_nan_propagates_like_the_torch_backend(cpu_backend, where, ctx):
+    """A NaN in a query or in one cached key (an overflowed 16-bit activation) comes out NaN in the
+    rows that see it, as in the torch backend, whatever the context length — never a finite average."""
+    import dataclasses
+
+    case = make_case([(ctx, 1), (ctx + 3, 1)], 9, 3, 64, 16, torch.float32, share=False, seed=2)
+    if where == "q":
+        q = case.q.clone()
+        q[0, 0, 5] = float("nan")
+        case = dataclasses.replace(case, q=q)
+    else:
+        kc = case.k_cache.clone()
+        block = int(case.meta.decode_groups[0].block_tables[0, 0])
+        kc[block, 1, 0, 3] = float("nan")  # token 1 of sequence 0, kv head 0
+        case = dataclasses.replace(case, k_cache=kc)
+    got = run_backend(cpu_backend, case)[0]
+    ref = run_backend(TorchAttentionBackend(), case)[0]
+    assert torch.equal(torch.isnan(got), torch.isnan(ref)) and torch.isnan(got[0]).any()
+    assert torch.allclose(got[1], ref[1], rtol=1e-5, atol=1e-5)

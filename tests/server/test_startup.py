@@ -109,6 +109,31 @@ def test_tokenizer_cache_key_follows_the_file_and_an_unwritable_cache_only_costs
     assert tok.encode("Hello world") and tok.vocab_size == 49152
 
 
+def test_tokenizer_cache_failures_never_stop_a_start_and_leave_nothing_behind(gguf_path, tmp_path, monkeypatch):
+    """A save that fails midway (any exception) still returns the tokenizer and leaves no temporary
+    folder; an entry folder without tokenizer.json (a removal cut short) is replaced by a whole one."""
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from kvfleet_server.model import tokenizer as tk
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVFLEET_TOKENIZER_CACHE", str(cache))
+
+    def broken(self, *a, **k):
+        (__import__("pathlib").Path(a[0]) / "half-written").write_text("")
+        raise TypeError("not JSON serializable")
+
+    with monkeypatch.context() as m:
+        m.setattr(TokenizersBackend, "save_pretrained", broken)
+        tok = tk.Tokenizer.from_path(gguf_path, gguf_architecture="llama")
+    assert tok.vocab_size == 49152 and os.listdir(cache) == []
+    entry = tk._gguf_cache_entry(gguf_path, "llama")
+    os.makedirs(os.path.join(entry, "stray"))
+    tk.Tokenizer.from_path(gguf_path, gguf_architecture="llama")
+    assert os.listdir(cache) == [os.path.basename(entry)] and os.path.isfile(os.path.join(entry, "tokenizer.json"))
+    assert os.stat(entry).st_mode & 0o777 == 0o755
+
+
 @pytest.mark.parametrize("text", STRINGS)
 def test_fast_gguf_tokenizer_ids_equal_autotokenizer(tokenizers, text):
     ref, tok = tokenizers

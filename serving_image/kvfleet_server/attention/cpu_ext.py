@@ -97,8 +97,9 @@ def _clear_stale_lock(path: str) -> None:
 
 
 def load():
-    """The ``torch.ops.kvfleet.paged_attention_cpu`` op (building it on first use), or None when it
-    cannot be built here (see ``load_error``)."""
+    """The ``torch.ops.kvfleet.paged_attention_cpu`` op (building the kernel library on first use; the
+    layer ops ``torch.ops.kvfleet.*_cpu`` are then registered too), or None when it cannot be built here
+    (see ``load_error``)."""
     if "op" in _state:
         return _state["op"]
     op = None
@@ -117,8 +118,8 @@ def load():
     except Exception as exc:  # no compiler / ninja / headers: the torch backend serves instead
         msg = str(exc).strip()
         _state["error"] = f"{type(exc).__name__}: {msg.splitlines()[-1] if msg else ''}"
-        log.warning("CPU paged-attention kernel unavailable (%s); using the torch reference backend",
-                    _state["error"])
+        log.warning("kvfleet's CPU kernels unavailable (%s); paged attention and the layer ops use the torch "
+                    "reference", _state["error"])
     _state["op"] = op
     return op
 

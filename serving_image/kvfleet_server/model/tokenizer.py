@@ -34,6 +34,28 @@ def _gguf_cache_entry(path: str, architecture: str | None) -> str:
     return os.path.join(tokenizer_cache_dir(), hashlib.sha1(key.encode()).hexdigest()[:16])
 
 
+def _save_entry(hf, entry: str) -> None:
+    """Save ``hf`` as cache entry ``entry``: written in a temporary folder beside it, made readable by
+    all (a cache shared between users), then renamed into place (atomic: a concurrent start sees a whole
+    entry or none). An entry folder without tokenizer.json (a removal cut short) is replaced."""
+    os.makedirs(os.path.dirname(entry), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(entry), prefix=".tmp-")
+    try:
+        hf.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)
+        for _ in range(2):
+            try:
+                os.rename(tmp, entry)
+                return
+            except OSError:
+                if os.path.isfile(os.path.join(entry, "tokenizer.json")):
+                    return  # another process saved it first
+                shutil.rmtree(entry, ignore_errors=True)
+        raise OSError(f"could not rename {tmp} to {entry}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after a rename; removed after a failure
+
+
 def _load_gguf_tokenizer(path: str, architecture: str | None):
     """transformers' tokenizer for a GGUF, from the cache when a previous start saved it (tokenizer.json:
     ~0.3 s) else converted from the GGUF's tokenizer.ggml.* metadata (~2.5 s for SmolLM2's 49,152 tokens
@@ -53,14 +75,8 @@ def _load_gguf_tokenizer(path: str, architecture: str | None):
             shutil.rmtree(entry, ignore_errors=True)
     hf = cls.from_pretrained(folder, gguf_file=name)
     try:
-        os.makedirs(os.path.dirname(entry), exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=os.path.dirname(entry), prefix=".tmp-")
-        hf.save_pretrained(tmp)
-        try:
-            os.rename(tmp, entry)  # atomic: a concurrent start sees a whole entry or none
-        except OSError:  # another process saved it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError as exc:
+        _save_entry(hf, entry)
+    except Exception as exc:  # the cache is an optimisation: never a reason not to start
         log.info("tokenizer cache not written (%s): the GGUF's tokenizer is converted at each start", exc)
     return hf
 

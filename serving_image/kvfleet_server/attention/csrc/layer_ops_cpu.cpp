@@ -5,7 +5,7 @@
 // OpenMP pool (at::parallel_for) once a call is large enough to pay for it.
 //
 // Registered as torch.ops.kvfleet.{rms_norm_cpu, fused_add_rms_norm_cpu, rotary_embedding_cpu,
-// silu_and_mul_cpu}; the torch versions in model/layers/cpu_ops.py are the reference.
+// silu_and_mul_cpu}; the torch versions in model/layers/layer_ops.py are the reference.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -113,7 +113,8 @@ void rotary_embedding_cpu(at::Tensor q, at::Tensor k, const at::Tensor& cos, con
     TORCH_CHECK(t->device().is_cpu() && t->dim() == 3 && t->stride(2) == 1 && t->scalar_type() == q.scalar_type(),
                 "rotary_embedding_cpu: q and k must be [T, heads, head_dim] with a contiguous head_dim, one dtype");
   const int64_t T = q.size(0), D = q.size(2);
-  TORCH_CHECK(k.size(0) == T && k.size(2) == D && D % 2 == 0, "rotary_embedding_cpu: q and k disagree on T or head_dim");
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D, "rotary_embedding_cpu: q and k disagree on T or head_dim");
+  TORCH_CHECK(D % 2 == 0, "rotary_embedding_cpu: head_dim must be even, got ", D);
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == q.scalar_type() &&
                   sin.scalar_type() == q.scalar_type(),

@@ -129,8 +129,9 @@ inline float softmax_numerator(float* s, int64_t L) {
 
 #ifdef KVFLEET_AVX2
 // acc[g][:] = sum_t p[g][t] v_t for NG (<= 3) query heads, 32 of the D values at a time so that the
-// NG x 4 accumulators stay in registers; each pass over the tokens reads a different half-row of V
-// (two 64-byte lines of a float32 cache), so V still crosses memory once.
+// NG x 4 accumulators stay in registers; each pass over the tokens reads a different 32 values of V (two
+// 64-byte lines of a float32 cache), so for G <= 3 (SmolLM2: 3) V crosses memory once. A larger GQA
+// group takes ceil(G / 3) such calls, each reading V again (from cache when the context is short).
 template <int NG, typename RowFn>
 inline void weighted_sum_v(const float* p, int64_t Lp, int64_t L, int64_t D, const RowFn& v_row, float* acc) {
   for (int64_t c = 0; c < D; c += 32) {

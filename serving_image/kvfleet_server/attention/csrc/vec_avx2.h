@@ -12,11 +12,12 @@ inline __m256 fmadd(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b,
 
 // e^x for 8 lanes: x = n ln2 + r with |r| <= ln2/2, e^r from a degree-7 polynomial (Cephes' expf
 // coefficients), times 2^n built in the exponent bits. Relative error ~2e-7 against expf; lanes below
-// -87.3 give 0 and lanes above 88 saturate at e^88.
+// -87.3 give 0, lanes above 88 saturate at e^88, NaN stays NaN.
 inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.3365447505531f);
   const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+  // NaN as the second operand: min/max return it, so a NaN input comes out NaN
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lo, x));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 split in two for exactness
