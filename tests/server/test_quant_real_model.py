@@ -7,7 +7,7 @@ benchmarks/quantization.py measures the full set (docs/quantization.md).
 Targets (issue 11): fp8 weights ≤ +2% perplexity, fp8 KV cache ≤ +1%, int8 ≤ +1%; the packed GGUF
 in float32 gives the dequantized path's log-probs within 1e-3 (measured: identical). int8 and the packed
 GGUF are asserted at the issue's targets. fp8 weights (+3.0% here; +2.1% on 4 × 1024 and 8 × 1024
-windows) and the fp8 KV cache (+1.8% here; +1.4% on 4 × 1024) do NOT meet theirs: the cause is e4m3's
+windows) and the fp8 KV cache (+1.8–2.7% here; +1.4% on 4 × 1024) do NOT meet theirs: the cause is e4m3's
 3-bit mantissa (relative weight error 10× int8's per-channel rounding; the scale choice cannot change a
 float format's relative rounding), measured in docs/quantization.md. Their bounds below are the
 measured values with a margin: regression guards, not the issue's targets. Also asserted, kvfleet's
@@ -68,8 +68,11 @@ CASES = {
     "fp8": ("float", dict(quantization="fp8"), 0.04, (218e6, 223e6)),
     "int8": ("float", dict(quantization="int8"), 0.01, (160e6, 166e6)),  # bfloat16 embedding + 1 B/weight
     "int4": ("float", dict(quantization="int4"), 0.05, (110e6, 125e6)),
-    # measured +1.8%: the issue's +1% is missed (see above)
-    "kv-fp8": ("float", dict(dtype="float32", kv_cache_dtype="fp8"), 0.025, (4 * N_PARAMS, 4 * N_PARAMS)),
+    # the issue's +1% is missed (see above). Measured on these 2 windows: +1.8% with F.linear, +2.4% with
+    # prepacked linears, +2.7% with prepacked linears and the fused CPU layer ops (the default); on 4 other
+    # windows +1.1%, +1.5%, +0.8%: float32-rounding-level changes in the layers move which values e4m3
+    # rounds up or down, so the bound leaves room for that spread
+    "kv-fp8": ("float", dict(dtype="float32", kv_cache_dtype="fp8"), 0.03, (4 * N_PARAMS, 4 * N_PARAMS)),
     "gguf": ("gguf", dict(), 0.01, (90e6, 100e6)),  # the default for the .gguf: packed, bfloat16
 }
 
