@@ -180,7 +180,8 @@ def prepare_model(config: EngineConfig, model, tp: TPGroup) -> None:
     the decoder layers piecewise and warm them up (``model/compile.py``). At level 0 on the CPU: with
     ``cpu_fused_ops``, the layers' element-wise work in kvfleet's fused C++ kernels
     (``model/layers/layer_ops.py``; torch's ops when the kernels cannot be built); with
-    ``cpu_weight_prepack``, the float32 linears' weights prepacked for oneDNN (``model/layers/cpu_prepack.py``). Collective under tensor parallelism: every rank calls it after loading."""
+    ``cpu_weight_prepack``, the float32 linears' weights prepacked for oneDNN (``model/layers/cpu_prepack.py``).
+    Collective under tensor parallelism: every rank calls it after loading."""
     dev = tp.device if tp.is_parallel else torch.device(config.resolved_device())
     if config.resolved_compilation_level() == 0:
         if dev.type == "cpu" and config.cpu_fused_ops:

@@ -23,7 +23,9 @@ namespace {
 
 constexpr int64_t kGrainElems = 1 << 15;  // below ~32K elements a call runs on the calling thread
 
-inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems)); }
+inline int64_t grain_rows(int64_t row_elems) {
+  return std::max<int64_t>(1, kGrainElems / std::max<int64_t>(1, row_elems));
+}
 
 template <typename T>
 inline float f32(T x) { return static_cast<float>(x); }
