@@ -35,10 +35,16 @@ logger = logging.getLogger("kvfleet.engine")
 def compile_cache_dir() -> str:
     """The on-disk cache of compiled artefacts: ``$TORCHINDUCTOR_CACHE_DIR`` if set, else
     ``$XDG_CACHE_HOME/kvfleet/torch_compile`` (``~/.cache/kvfleet/torch_compile``)."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    return kvfleet_cache_dir("torch_compile", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def kvfleet_cache_dir(name: str, env: str) -> str:
+    """A kvfleet on-disk cache: ``$env`` if set, else ``$XDG_CACHE_HOME/kvfleet/<name>``
+    (``~/.cache/kvfleet/<name>``). Shared by the compile cache and the tokenizer cache."""
+    if os.environ.get(env):
+        return os.environ[env]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvfleet", "torch_compile")
+    return os.path.join(base, "kvfleet", name)
 
 
 def compile_layers(model: torch.nn.Module) -> None:

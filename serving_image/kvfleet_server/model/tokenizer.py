@@ -17,10 +17,9 @@ log = logging.getLogger(__name__)
 def tokenizer_cache_dir() -> str:
     """Where tokenizers built from GGUF metadata are kept: ``$KVFLEET_TOKENIZER_CACHE`` if set, else
     ``$XDG_CACHE_HOME/kvfleet/tokenizers`` (``~/.cache/kvfleet/tokenizers``)."""
-    if os.environ.get("KVFLEET_TOKENIZER_CACHE"):
-        return os.environ["KVFLEET_TOKENIZER_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "kvfleet", "tokenizers")
+    from .compile import kvfleet_cache_dir
+
+    return kvfleet_cache_dir("tokenizers", "KVFLEET_TOKENIZER_CACHE")
 
 
 def _gguf_cache_entry(path: str, architecture: str | None) -> str:

@@ -25,8 +25,6 @@ from ..rope import apply_rope
 class TorchLayerOps:
     """The reference ops (any device, any float dtype)."""
 
-    name = "torch"
-
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [T, hidden] → weight * x / sqrt(mean(x²) + eps), computed in float32 (transformers' RMSNorm)."""
@@ -59,8 +57,6 @@ class CpuLayerOps(TorchLayerOps):
 
     ``rope`` rotates q and k in place (they are fresh views of the qkv projection's output);
     ``add_rms_norm`` writes the sum into ``x`` (the fresh o_proj output), never into ``residual``."""
-
-    name = "cpu"
 
     def __init__(self):
         ops = torch.ops.kvfleet
