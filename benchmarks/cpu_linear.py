@@ -1,11 +1,13 @@
-"""F.linear (MKL) vs oneDNN's prepacked float32 linear (model/layers/cpu_prepack.py) on SmolLM2-135M's
-weight shapes, side by side in one run: median microseconds per call and the ratio, at the row counts
+"""F.linear (MKL) vs oneDNN's prepacked float32 linear vs kvfleet's panel kernel (model/layers/cpu_prepack.py,
+attention/csrc/linear_cpu.cpp) on SmolLM2-135M's weight shapes, side by side in one run, at the row counts
 of decode (1, 8, 32), draft verification (5) and prefill (256, 2048).
 
     python benchmarks/cpu_linear.py [--threads 2] [--repeats 30]
 
-The weights of one shape fit in the CPU's caches here, unlike a whole model's: the in-engine effect is
-benchmarks/offline_throughput.py's ``default`` vs ``no-prepack`` variants.
+Two tables: one shape at a time (its weights stay in the CPU's caches between calls), and all 120
+decoder linears of the model in a row (the weights stream from memory, as in a decode step: GB/s is
+weight bytes over time). Median of ``--repeats`` calls (of 5 passes for the streamed table); max
+relative error against float64.
 """
 
 from __future__ import annotations
@@ -14,29 +16,59 @@ import torch
 import torch.nn.functional as F
 from _common import kernel_bench_args, median_seconds
 
+from kvfleet_server.attention import cpu_ext
+from kvfleet_server.model.layers.cpu_prepack import pack_panels
+
 #: (name, K, N): fused qkv, o, gate_up, down, and the (tied) LM head
 SHAPES = [("qkv_proj", 576, 960), ("o_proj", 576, 576), ("gate_up_proj", 576, 3072), ("down_proj", 1536, 576),
           ("lm_head", 576, 49152)]
 ROWS = [1, 5, 8, 32, 256, 2048]
+NUM_LAYERS = 30
+
+
+def kernels(w: torch.Tensor) -> dict:
+    """name → (callable x → y) for one weight [N, K]."""
+    onednn = torch.ops.mkldnn._reorder_linear_weight(w)
+    out = {"F.linear": lambda x: F.linear(x, w),
+           "oneDNN": lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")}
+    if cpu_ext.load() is not None:
+        panels, n = pack_panels(w), w.shape[0]
+        out["panels"] = lambda x: torch.ops.kvfleet.linear_packed_cpu(x, panels, n, None)
+    return out
 
 
 def main() -> None:
     args = kernel_bench_args(__doc__)
-    print(f"threads {args.threads}; median of {args.repeats} calls; float32")
-    print(f"{'shape':14s} {'rows':>5s} {'F.linear us':>12s} {'prepacked us':>13s} {'speed-up':>9s} {'max rel err':>12s}")
+    names = list(kernels(torch.zeros(16, 16)))
+    print(f"threads {args.threads}; float32; median of {args.repeats} calls; ratios against oneDNN")
+    print("one shape at a time (weights in cache):")
+    print(f"{'shape':14s} {'rows':>5s} " + " ".join(f"{n + ' us':>12s}" for n in names)
+          + " " + " ".join(f"{'oneDNN/' + n:>16s}" for n in names if n != "oneDNN") + f" {'max rel err':>12s}")
     for name, k, n in SHAPES:
         w = torch.randn(n, k) / k ** 0.5
-        packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        ks = kernels(w)
         for m in ROWS:
             if name == "lm_head" and m > 256:
                 continue  # the head only projects sampled rows
             x = torch.randn(m, k)
-            a = median_seconds(lambda: F.linear(x, w), args.repeats)
-            b = median_seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), args.repeats)
+            t = {kn: median_seconds(lambda f=f: f(x), args.repeats) for kn, f in ks.items()}
             ref = F.linear(x.double(), w.double())
-            out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").double()
-            err = float((out - ref).abs().max() / ref.abs().max())
-            print(f"{name:14s} {m:5d} {a * 1e6:12.0f} {b * 1e6:13.0f} {a / b:8.2f}x {err:12.1e}")
+            err = max(float((f(x).double() - ref).abs().max() / ref.abs().max()) for f in ks.values())
+            print(f"{name:14s} {m:5d} " + " ".join(f"{t[kn] * 1e6:12.0f}" for kn in names) + " "
+                  + " ".join(f"{t['oneDNN'] / t[kn]:15.2f}x" for kn in names if kn != "oneDNN") + f" {err:12.1e}")
+    print(f"\nall {4 * NUM_LAYERS} decoder linears in a row (weights streamed from memory):")
+    layer = [s for s in SHAPES if s[0] != "lm_head"] * NUM_LAYERS
+    ws = [torch.randn(n, k) / k ** 0.5 for _, k, n in layer]
+    per = [kernels(w) for w in ws]
+    nbytes = sum(w.numel() * 4 for w in ws)
+    print(f"{'rows':>5s} " + " ".join(f"{n + ' ms':>12s} {'GB/s':>6s}" for n in names)
+          + " " + " ".join(f"{'oneDNN/' + n:>16s}" for n in names if n != "oneDNN"))
+    for m in [1, 2, 5, 8, 16, 32]:
+        xs = {k: torch.randn(m, k) for k in (576, 1536)}
+        t = {kn: median_seconds(lambda kn=kn: [p[kn](xs[w.shape[1]]) for w, p in zip(ws, per)],
+                                max(5, args.repeats // 6)) for kn in names}
+        print(f"{m:5d} " + " ".join(f"{t[kn] * 1e3:12.1f} {nbytes / t[kn] / 1e9:6.1f}" for kn in names) + " "
+              + " ".join(f"{t['oneDNN'] / t[kn]:15.2f}x" for kn in names if kn != "oneDNN"))
 
 
 if __name__ == "__main__":

@@ -205,9 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "24, ... up to --max-num-seqs, capped at 512); starts faster, steps slower")
     e.add_argument("--cpu-weight-prepack", action=argparse.BooleanOptionalAction,
                    default=_engine_default("cpu_weight_prepack"),
-                   help="kvfleet's flag: on the CPU without torch.compile, hold float32 linear weights in oneDNN's "
-                        "prepacked layout and multiply with oneDNN (faster at decode's few rows than MKL, which "
-                        "re-packs the weight every call); --no-cpu-weight-prepack keeps F.linear")
+                   help="kvfleet's flag: on the CPU without torch.compile, hold float32 linear weights packed once "
+                        "in 16-column panels for kvfleet's AVX2 kernel (oneDNN's layout without the C++ kernels): "
+                        "faster at decode's few rows than MKL, which re-packs the weight every call; "
+                        "--no-cpu-weight-prepack keeps F.linear")
     e.add_argument("--cpu-fused-ops", action=argparse.BooleanOptionalAction, default=_engine_default("cpu_fused_ops"),
                    help="kvfleet's flag: on the CPU without torch.compile, run each layer's RMSNorm, residual add + "
                         "RMSNorm, RoPE and SiLU-and-mul in fused C++ kernels (one pass over memory each); "

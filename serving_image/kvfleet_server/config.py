@@ -104,8 +104,9 @@ class EngineConfig:
             project's 2-core CPU: compiled decode 0.98x, prefill 1.04x eager, +78 s cold start-up —
             docs/engine.md); ``enforce_eager`` forces 0.
         cpu_weight_prepack: at compilation level 0 on the CPU, hold the unquantized float32 linears'
-            weights in oneDNN's prepacked layout and multiply with oneDNN (model/layers/cpu_prepack.py;
-            kvfleet's ``--[no-]cpu-weight-prepack``). Default True; False keeps ``F.linear`` (MKL).
+            weights packed once in 16-column panels for kvfleet's AVX2 kernel (oneDNN's prepacked layout
+            where the C++ kernels cannot be built; model/layers/cpu_prepack.py; kvfleet's
+            ``--[no-]cpu-weight-prepack``). Default True; False keeps ``F.linear`` (MKL).
         cpu_fused_ops: at compilation level 0 on the CPU, run each layer's RMSNorm, residual add + RMSNorm,
             RoPE and SiLU-and-mul in kvfleet's fused C++ kernels (model/layers/layer_ops.py; kvfleet's
             ``--[no-]cpu-fused-ops``). Default True (torch's ops when the kernels cannot be built); False

@@ -1,7 +1,7 @@
-"""oneDNN-prepacked float32 linears on the CPU (model/layers/cpu_prepack.py): which layers are packed,
-that the layer output matches F.linear within float32 rounding, and that whole engine runs produce the
-same greedy tokens with and without prepacking (the tiny model, and the real SmolLM2 against the
-transformers reference)."""
+"""Prepacked float32 linears on the CPU (model/layers/cpu_prepack.py: kvfleet's panels, oneDNN's layout
+without the C++ kernels): which layers are packed, that the layer output matches F.linear within float32
+rounding in both layouts, and that whole engine runs produce the same greedy tokens with and without
+prepacking (the tiny model, and the real SmolLM2)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvfleet_server.model.layers.cpu_prepack import PrepackedLinearMethod, can_prepack, prepack_linears
+from kvfleet_server.model.layers.cpu_prepack import (
+    PanelLinearMethod,
+    PrepackedLinearMethod,
+    can_prepack,
+    packed_method,
+    prepack_linears,
+)
 from kvfleet_server.model.layers.linear import Linear
 from kvfleet_server.model.layers.quant import model_weight_bytes
 
@@ -18,7 +24,12 @@ pytestmark = pytest.mark.skipif(not can_prepack(), reason="torch built without o
 
 @pytest.mark.parametrize("m,k,n", [(1, 64, 96), (5, 576, 1536), (37, 128, 40), (300, 96, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_linear_matches_f_linear(m, k, n, bias):
+@pytest.mark.parametrize("method", [PanelLinearMethod, PrepackedLinearMethod])
+def test_prepacked_linear_matches_f_linear(m, k, n, bias, method):
+    if method is PanelLinearMethod and packed_method() is not PanelLinearMethod:
+        pytest.skip("kvfleet's CPU kernels cannot be built here")
+    if method is PrepackedLinearMethod and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
     g = torch.Generator().manual_seed(m + k)
     lin = Linear(k, n, bias=bias)
     with torch.no_grad():
@@ -28,8 +39,8 @@ def test_prepacked_linear_matches_f_linear(m, k, n, bias):
     x = torch.randn(m, k, generator=g)
     ref = F.linear(x, lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone())
     holder = torch.nn.Sequential(lin)
-    assert prepack_linears(holder) == (1, 0)
-    assert isinstance(lin.quant_method, PrepackedLinearMethod) and lin.weight is None
+    assert prepack_linears(holder, method) == (1, 0)
+    assert type(lin.quant_method) is method and lin.weight is None
     assert torch.allclose(lin(x), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -50,7 +61,7 @@ def test_only_own_float32_unquantized_weights_are_packed(tiny_engine_factory):
 def test_engine_default_prepacks_and_knob_turns_it_off(tiny_engine_factory):
     on, off = tiny_engine_factory(), tiny_engine_factory(cpu_weight_prepack=False)
     kinds = {type(m.quant_method).__name__ for m in on.model.modules() if type(m) is Linear}
-    assert kinds == {"PrepackedLinearMethod"}
+    assert kinds == {packed_method().__name__}
     assert not any(isinstance(m.quant_method, PrepackedLinearMethod)
                    for m in off.model.modules() if isinstance(m, Linear))
     compiled = tiny_engine_factory(compilation_config={"level": 3})  # Inductor traces the plain layers

@@ -33,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp")
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_cpu.cpp")
 HEADERS = (CSRC / "vec_avx2.h",)
 STALE_LOCK_S = 600
 _X86_V3 = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}

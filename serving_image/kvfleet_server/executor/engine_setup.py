@@ -180,7 +180,8 @@ def prepare_model(config: EngineConfig, model, tp: TPGroup) -> None:
     the decoder layers piecewise and warm them up (``model/compile.py``). At level 0 on the CPU: with
     ``cpu_fused_ops``, the layers' element-wise work in kvfleet's fused C++ kernels
     (``model/layers/layer_ops.py``; torch's ops when the kernels cannot be built); with
-    ``cpu_weight_prepack``, the float32 linears' weights prepacked for oneDNN (``model/layers/cpu_prepack.py``).
+    ``cpu_weight_prepack``, the float32 linears' weights packed once for kvfleet's AVX2 kernel (oneDNN's
+    without the C++ library; ``model/layers/cpu_prepack.py``).
     Collective under tensor parallelism: every rank calls it after loading."""
     dev = tp.device if tp.is_parallel else torch.device(config.resolved_device())
     if config.resolved_compilation_level() == 0:
@@ -193,11 +194,13 @@ def prepare_model(config: EngineConfig, model, tp: TPGroup) -> None:
                 logger.info("fused CPU layer ops: RMSNorm, add + RMSNorm, RoPE, SiLU-and-mul "
                             "(--no-cpu-fused-ops keeps torch's)")
         if dev.type == "cpu" and config.cpu_weight_prepack:
-            from ..model.layers.cpu_prepack import can_prepack, prepack_linears
+            from ..model.layers.cpu_prepack import PanelLinearMethod, packed_method, prepack_linears
 
-            if can_prepack():
-                count, extra = prepack_linears(model)
-                logger.info("oneDNN-prepacked float32 linears: %d%s (--no-cpu-weight-prepack keeps F.linear)", count,
+            method = packed_method()
+            if method is not None:
+                count, extra = prepack_linears(model, method)
+                kind = "kvfleet's 16-column panels" if method is PanelLinearMethod else "oneDNN's layout"
+                logger.info("float32 linears prepacked in %s: %d%s (--no-cpu-weight-prepack keeps F.linear)", kind, count,
                             f", and a packed copy of the tied LM head (+{extra / 2**20:.0f} MiB)" if extra else "")
         return
     from ..model.compile import compile_cache_dir, compile_layers, warm_up

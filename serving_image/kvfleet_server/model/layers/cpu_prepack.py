@@ -1,20 +1,29 @@
-"""Float32 linears on the CPU through oneDNN with the weight prepacked once, after loading.
+"""Float32 linears on the CPU with the weight packed once, after loading, for a faster kernel.
 
 ``F.linear`` on the CPU hands every call to MKL's GEMM, which re-packs the weight into its panel
-layout on each call; at the few-row shapes of decode and draft verification (M = 1-32 rows against a
-576 x 1536 weight) that packing costs as much as the arithmetic. oneDNN's inner-product primitive takes
-a weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) and
-multiplies with ``torch.ops.mkldnn._linear_pointwise`` — what vLLM's CPU backend and Inductor's
-weight freezing do. Float32 in, float32 accumulation and out: greedy tokens are compared with the
-unpacked path by tests/server/test_cpu_prepack.py (the sums are ordered differently: results agree to
-float32 rounding, not bit for bit).
+layout on each call; at decode's few rows (M = 1-32 against a 576 x 1536 weight) that costs as much as
+the arithmetic, and a decode step, which reads every weight, streams them at well under the memory's
+rate. Two packed layouts, each with one copy of the weight (the float weight is released):
+
+- ``PanelLinearMethod`` (the default where kvfleet's C++ kernels build): W [N, K] as 16-column panels
+  [ceil(N / 16), K, 16] (``pack_panels``), multiplied by ``torch.ops.kvfleet.linear_packed_cpu``
+  (attention/csrc/linear_cpu.cpp: a 6 x 16 AVX2 register-blocked micro-kernel with the next panel
+  prefetched). Measured on this machine's 2 cores over SmolLM2-135M's 120 decoder linears, weights
+  streamed from memory (benchmarks/cpu_linear.py): 1.5x oneDNN at 1 row, 1.9x at 5, 1.5x at 32, par at
+  prefill's 2048 rows.
+- ``PrepackedLinearMethod`` (the fallback without the C++ library): oneDNN's inner product over a
+  weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), what
+  vLLM's CPU backend and Inductor's weight freezing do.
+
+Float32 in, float32 accumulation and out: results agree with ``F.linear`` to float32 rounding, not bit
+for bit (the sums are ordered differently); greedy tokens are compared with the unpacked path by
+tests/server/test_cpu_prepack.py, the kernel with float64 by tests/server/test_cpu_linear.py.
 
 Applied to every unquantized float32 ``Linear`` when the engine runs eagerly on the CPU
 (``EngineConfig.cpu_weight_prepack``, default on; torch.compile at level 3 traces the plain layers
-instead); the float weight is released, so memory stays one copy. A tied LM head (``model.lm_head``
-None: the vocabulary embedding projects the logits) gets a packed copy next to the float embedding
-that row lookups read: + vocab x hidden x 4 bytes (113 MB for SmolLM2-135M), logged, for a logits
-projection measured 2x faster at 32 rows and 3.5x at 5 (benchmarks/cpu_linear.py).
+instead). A tied LM head (``model.lm_head`` None: the vocabulary embedding projects the logits) gets a
+packed copy next to the float embedding that row lookups read: + vocab x hidden x 4 bytes (113 MB for
+SmolLM2-135M), logged.
 """
 
 from __future__ import annotations
@@ -25,6 +34,9 @@ from .embedding import VocabEmbedding
 from .linear import Linear, UnquantizedLinearMethod
 
 
+PANEL = 16  # output columns per panel: two AVX2 registers (attention/csrc/linear_cpu.cpp)
+
+
 class PrepackedLinearMethod(UnquantizedLinearMethod):
     """y = x Wᵀ + b with W held as oneDNN's prepacked tensor ``layer.packed_weight`` [N, K] float32
     (an opaque ``torch._mkldnn`` layout). x: [T, K] float32 → [T, N] float32. Row lookups (a tied
@@ -32,12 +44,50 @@ class PrepackedLinearMethod(UnquantizedLinearMethod):
 
     name = "unquantized"
 
+    @staticmethod
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(w)
+
     def apply(self, layer, x, bias):
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
 
 
+class PanelLinearMethod(PrepackedLinearMethod):
+    """y = x Wᵀ + b with W held as ``layer.packed_weight`` [ceil(N / 16), K, 16] float32 (``pack_panels``)
+    and multiplied by kvfleet's AVX2 kernel. x: [..., K] float32 → [..., N] float32."""
+
+    @staticmethod
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        return pack_panels(w)
+
+    def apply(self, layer, x, bias):
+        n = layer.packed_out  # N, set by prepack_linears
+        y = torch.ops.kvfleet.linear_packed_cpu(x.reshape(-1, x.shape[-1]), layer.packed_weight, n, bias)
+        return y.view(*x.shape[:-1], n)
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] float32 → [ceil(N / 16), K, 16]: panel p holds output columns 16p .. 16p + 15 (rows past N
+    zero), k-major, so that one panel is one contiguous run of memory."""
+    n, k = w.shape
+    p = -(-n // PANEL)
+    padded = w.new_zeros(p * PANEL, k)
+    padded[:n] = w
+    return padded.view(p, PANEL, k).transpose(1, 2).contiguous()
+
+
+def packed_method() -> type[PrepackedLinearMethod] | None:
+    """The packed layout this machine can run: kvfleet's panels where its C++ kernels load, else oneDNN's
+    where torch has it, else None."""
+    from ...attention import cpu_ext
+
+    if cpu_ext.load() is not None:
+        return PanelLinearMethod
+    return PrepackedLinearMethod if torch.backends.mkldnn.is_available() else None
+
+
 def can_prepack() -> bool:
-    return torch.backends.mkldnn.is_available()
+    return packed_method() is not None
 
 
 def _packable(m: torch.nn.Module) -> bool:
@@ -47,23 +97,26 @@ def _packable(m: torch.nn.Module) -> bool:
     return w is not None and w.dtype == torch.float32 and w.device.type == "cpu"
 
 
-def prepack_linears(model: torch.nn.Module) -> tuple[int, int]:
-    """Swap each unquantized float32 ``Linear`` of ``model`` to ``PrepackedLinearMethod``, releasing its
-    float weight, and give a tied LM head (``model.lm_head`` None) a packed copy of the embedding.
-    Returns (linears packed, bytes of the tied head's extra copy)."""
+def prepack_linears(model: torch.nn.Module,
+                    method: type[PrepackedLinearMethod] | None = None) -> tuple[int, int]:
+    """Swap each unquantized float32 ``Linear`` of ``model`` to ``method`` (default ``packed_method()``),
+    releasing its float weight, and give a tied LM head (``model.lm_head`` None) a packed copy of the
+    embedding. Returns (linears packed, bytes of the tied head's extra copy)."""
+    method = method or packed_method()
     count, extra = 0, 0
     for m in model.modules():
         if type(m) is Linear and _packable(m):
-            packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
+            m.packed_out = m.weight.shape[0]
+            packed = method.pack(m.weight.detach())
             del m.weight
             m.register_parameter("weight", None)
             m.register_buffer("packed_weight", packed, persistent=False)
-            m.quant_method = PrepackedLinearMethod()
+            m.quant_method = method()
             count += 1
     emb = getattr(model, "embed_tokens", None)
     if hasattr(model, "lm_head") and model.lm_head is None and isinstance(emb, VocabEmbedding) and _packable(emb):
-        emb.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(emb.weight.detach()),
-                            persistent=False)
-        emb.quant_method = PrepackedLinearMethod()
-        extra = emb.weight.numel() * emb.weight.element_size()
+        emb.packed_out = emb.weight.shape[0]
+        emb.register_buffer("packed_weight", method.pack(emb.weight.detach()), persistent=False)
+        emb.quant_method = method()
+        extra = emb.packed_weight.numel() * emb.packed_weight.element_size()
     return count, extra

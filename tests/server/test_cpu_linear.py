@@ -1,0 +1,113 @@
+"""kvfleet's float32 panel linear on the CPU (attention/csrc/linear_cpu.cpp, model/layers/cpu_prepack.py's
+``pack_panels``): against float64 over random shapes (row counts on both sides of the 6-row tile and of
+an L2 block of rows, column counts not a multiple of the 16-column panel, K down to 1), with and without
+bias, strided and batched inputs, the same bits whatever the thread count, and bad inputs refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvfleet_server.attention import cpu_ext
+from kvfleet_server.model.layers.cpu_prepack import PanelLinearMethod, pack_panels, prepack_linears
+from kvfleet_server.model.layers.linear import Linear
+
+pytestmark = pytest.mark.skipif(cpu_ext.load() is None, reason=f"CPU kernels not built: {cpu_ext.load_error()}")
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def op(x, w, bias=None):
+    return torch.ops.kvfleet.linear_packed_cpu(x, pack_panels(w), w.shape[0], bias)
+
+
+def assert_close_to_float64(y, x, w, bias):
+    """Within the deterministic bound of a float32 dot product of K terms summed in any order:
+    |error| <= (K + 2)·eps·(|x|·|w|ᵀ + |b|) (Higham, "Accuracy and Stability of Numerical Algorithms", §3.1)."""
+    ref = x.double() @ w.double().T
+    mag = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        ref, mag = ref + bias.double(), mag + bias.double().abs()
+    bound = (x.shape[1] + 2) * EPS * mag + 1e-30
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), f"max error {float(err.max()):.3g} over the bound"
+    assert float(err.max()) <= 1e-5 * max(1.0, float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 32, 97])
+@pytest.mark.parametrize("k,n", [(1, 3), (5, 16), (33, 17), (576, 40), (576, 960), (1536, 31)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_linear_matches_float64(m, k, n, bias):
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    b = torch.randn(n, generator=g) if bias else None
+    assert_close_to_float64(op(x, w, b), x, w, b)
+
+
+def test_rows_beyond_one_l2_block_and_strided_input():
+    """K = 1536 puts 30 rows of x in one L2 block: 500 rows run 17 blocks; x a strided view."""
+    g = torch.Generator().manual_seed(7)
+    big = torch.randn(500, 3072, generator=g)
+    x = big[:, ::2]
+    w = torch.randn(100, 1536, generator=g) / 40
+    b = torch.randn(100, generator=g)
+    assert not x.is_contiguous()
+    assert_close_to_float64(op(x, w, b), x, w, b)
+
+
+def test_same_bits_whatever_the_thread_count():
+    """Each output is one thread's sum in k order: the thread count changes which thread, not the sum."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(9, 576, generator=g), torch.randn(3072, 576, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(x, w)
+        torch.set_num_threads(2)
+        two = op(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_empty_shapes():
+    w = torch.randn(20, 8)
+    assert op(torch.randn(0, 8), w).shape == (0, 20)
+    b = torch.randn(5)
+    assert torch.equal(op(torch.randn(3, 0), torch.randn(5, 0), b), b.expand(3, 5))
+
+
+def test_packed_linear_layer_keeps_leading_dims():
+    g = torch.Generator().manual_seed(1)
+    lin = Linear(64, 24, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(24, 64, generator=g))
+        lin.bias.copy_(torch.randn(24, generator=g))
+    w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
+    assert prepack_linears(torch.nn.Sequential(lin), PanelLinearMethod) == (1, 0)
+    assert lin.packed_weight.shape == (2, 64, 16) and lin.weight is None
+    x = torch.randn(2, 3, 64, generator=g)
+    y = lin(x)
+    assert y.shape == (2, 3, 24)
+    assert_close_to_float64(y.reshape(6, 24), x.reshape(6, 64), w, b)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("k", "x has K = 7"), ("dtype", "x must be"), ("n", "does not match"), ("bias", "bias must be"),
+    ("layout", "wp must be")])
+def test_bad_inputs_are_refused_by_name(case, match):
+    x, w = torch.randn(2, 8), torch.randn(20, 8)
+    wp, n, b = pack_panels(w), 20, None
+    if case == "k":
+        x = torch.randn(2, 7)
+    elif case == "dtype":
+        x = x.double()
+    elif case == "n":
+        n = 40
+    elif case == "bias":
+        b = torch.randn(19)
+    else:
+        wp = wp.transpose(0, 1)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.kvfleet.linear_packed_cpu(x, wp, n, b)
