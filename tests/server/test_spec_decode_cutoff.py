@@ -55,17 +55,21 @@ def test_a_method_that_cannot_pay_does_not_speculate(tiny_engine_factory, tiny_l
     assert out == out_plain and sum(drafted) == 0
 
 
-def test_a_new_sequence_starts_with_a_probe_after_low_acceptance(tiny_engine_factory, tiny_qwen2_dir):
+def test_a_new_sequence_starts_with_a_probe_and_the_learned_back_off_after_low_acceptance(tiny_engine_factory, tiny_qwen2_dir):
     # a draft model that disagrees with the target
     eng = tiny_engine_factory(speculative_config={"method": "draft_model", "model": tiny_qwen2_dir,
                                                   "num_speculative_tokens": 3, **FLOOR})
     eng.add_request("first", [5, 6, 7] * 6, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     run_to_completion(eng)
     assert eng.scheduler.spec_acceptance_ema < DraftGate.MIN_ACCEPTANCE
-    eng.add_request("next", [5, 6, 7] * 6, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    # 40 tokens: k drafts at the first decode, failed probes 8 and 24 steps later: the back-off reached 64
+    assert eng.scheduler.spec_backoff == 8 * DraftGate.FIRST_BACKOFF
+    eng.add_request("next", [5, 6, 7] * 6, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     counts = []
     run_to_completion(eng, on_step=lambda e: counts.append(e.last_iteration.num_draft_tokens))
-    assert [c for c in counts if c][:1] == [1]
+    # one probe of one draft, then the inherited back-off (64 steps) outlasts the request: without the
+    # inheritance it would probe again after 8 and 24 steps
+    assert [c for c in counts if c] == [1]
 
 
 def test_min_acceptance_overrides_the_cost_model(tiny_engine_factory, tiny_llama_dir):

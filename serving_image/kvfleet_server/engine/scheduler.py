@@ -114,7 +114,9 @@ class DraftGate:
     0 never cuts off; at 1 or more the engine does not speculate at all) the sequence decodes without
     drafts for a back-off (8 steps, doubling after every failed probe up to 256), then probes with a
     single draft (a new sequence starts with a probe too while the acceptance over all sequences is
-    below the cut-off). A probe that pays brings k drafts back; the back-off resets only once a full
+    below the cut-off, and inherits the back-off the last sequence updated had reached: with a draft that
+    never agrees, each new request costs one probe, not one per doubling). A probe that pays brings k
+    drafts back; the back-off resets only once a full
     verification pays. A sequence the proposer cannot predict costs almost nothing after a few steps, one
     that starts quoting its prompt is picked up again. The output distribution does not depend on when
     drafts are used (verification is lossless either way).
@@ -123,10 +125,10 @@ class DraftGate:
     MIN_ACCEPTANCE = 0.3
     FIRST_BACKOFF, MAX_BACKOFF = 8, 256
 
-    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, probing: bool = False):
+    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, probing: bool = False, backoff: int = FIRST_BACKOFF):
         self.min_acceptance = min_acceptance
         self.ema = min_acceptance  # a first verification that accepts little already cuts off
-        self.backoff = self.FIRST_BACKOFF
+        self.backoff = backoff
         self.resume_step = 0
         self.probing = probing  # the next verification checks a single draft
 
@@ -248,6 +250,8 @@ class Scheduler:
         # acceptance rate over every sequence's verifications: a new sequence starts with a one-draft
         # probe while it is below the break-even
         self.spec_acceptance_ema: float | None = None
+        #: the back-off of the gate updated last: a new sequence inherits it while acceptance is low
+        self.spec_backoff = DraftGate.FIRST_BACKOFF
         self.max_model_len = max_model_len
         self.num_steps = 0
 
@@ -277,7 +281,9 @@ class Scheduler:
     def _gate(self, seq: Sequence) -> None:
         if self.num_speculative_tokens and seq.draft_gate is None:
             ema = 1.0 if self.spec_acceptance_ema is None else self.spec_acceptance_ema
-            seq.draft_gate = DraftGate(self.spec_min_acceptance, probing=ema < self.spec_min_acceptance)
+            low = ema < self.spec_min_acceptance
+            seq.draft_gate = DraftGate(self.spec_min_acceptance, probing=low,
+                                       backoff=self.spec_backoff if low else DraftGate.FIRST_BACKOFF)
 
     def _num_drafts(self, seq: Sequence, budget: int) -> int:
         """Draft tokens a decoding sequence may verify this step: k (1 for a probe), fewer when the
@@ -320,6 +326,7 @@ class Scheduler:
         """After verification: the accepted drafts' KV counts as computed; blocks holding only rejected
         draft slots go back to the pool at once (the partly rejected last block is overwritten later)."""
         seq.draft_gate.update(self.num_steps, num_drafts, num_accepted)
+        self.spec_backoff = seq.draft_gate.backoff
         rate, ema = num_accepted / num_drafts, self.spec_acceptance_ema
         self.spec_acceptance_ema = rate if ema is None else 0.7 * ema + 0.3 * rate
         seq.num_computed_tokens += num_accepted

@@ -71,9 +71,11 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     zero), k-major, so that one panel is one contiguous run of memory."""
     n, k = w.shape
     p = -(-n // PANEL)
-    padded = w.new_zeros(p * PANEL, k)
-    padded[:n] = w
-    return padded.view(p, PANEL, k).transpose(1, 2).contiguous()
+    if n % PANEL:
+        padded = w.new_zeros(p * PANEL, k)
+        padded[:n] = w
+        w = padded
+    return w.reshape(p, PANEL, k).transpose(1, 2).contiguous()
 
 
 def packed_method() -> type[PrepackedLinearMethod] | None:
