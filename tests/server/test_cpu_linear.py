@@ -94,8 +94,8 @@ def test_packed_linear_layer_keeps_leading_dims():
 
 
 @pytest.mark.parametrize("case,match", [
-    ("k", "x has K = 7"), ("dtype", "x must be"), ("n", "does not match"), ("bias", "bias must be"),
-    ("layout", "wp must be")])
+    ("k", "x has K = 7"), ("dtype", "x must be"), ("n", "does not match"), ("negative n", "does not match"),
+    ("bias", "bias must be"), ("2-d bias", "bias must be"), ("layout", "wp must be")])
 def test_bad_inputs_are_refused_by_name(case, match):
     x, w = torch.randn(2, 8), torch.randn(20, 8)
     wp, n, b = pack_panels(w), 20, None
@@ -105,8 +105,12 @@ def test_bad_inputs_are_refused_by_name(case, match):
         x = x.double()
     elif case == "n":
         n = 40
+    elif case == "negative n":
+        wp, n = wp[:0], -3
     elif case == "bias":
         b = torch.randn(19)
+    elif case == "2-d bias":
+        b = torch.randn(4, 5)
     else:
         wp = wp.transpose(0, 1)
     with pytest.raises(RuntimeError, match=match):

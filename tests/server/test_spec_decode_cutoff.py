@@ -72,6 +72,44 @@ def test_a_new_sequence_starts_with_a_probe_and_the_learned_back_off_after_low_a
     assert [c for c in counts if c] == [1]
 
 
+def test_acceptance_that_recovers_is_picked_up_after_a_draft_that_never_agreed():
+    """The scheduler's gate bookkeeping (``Scheduler._gate`` / ``Scheduler.rollback`` on a stub with no
+    model): 600 steps of a draft that never agrees drive the inherited back-off to its cap, then each
+    200-token request whose drafts are rejected for its first 2 tokens and accepted afterwards speculates
+    again within the inherited back-off — the first one included — and what new sequences inherit goes
+    back to the first back-off once a verification pays."""
+    import types
+
+    from kvfleet_server.engine.scheduler import Scheduler
+
+    k = 3
+    sched = types.SimpleNamespace(num_speculative_tokens=k, spec_acceptance_ema=None, spec_min_acceptance=0.3,
+                                  spec_backoff=DraftGate.FIRST_BACKOFF, num_steps=0,
+                                  kv=types.SimpleNamespace(truncate=lambda *a: None, blocks_for=lambda n: 0))
+
+    def request(tokens, accept) -> int:
+        seq = types.SimpleNamespace(draft_gate=None, num_computed_tokens=0, num_draft_computed=0, seq_id=0)
+        Scheduler._gate(sched, seq)
+        verifications, out = 0, 1
+        while out < tokens:
+            sched.num_steps += 1
+            if seq.draft_gate.open(sched.num_steps):
+                d = seq.draft_gate.num_drafts(k)
+                a = accept(out, d)
+                Scheduler.rollback(sched, seq, d, a)
+                verifications += 1
+                out += 1 + a
+            else:
+                out += 1
+        return verifications
+
+    request(600, lambda out, d: 0)
+    assert sched.spec_backoff == DraftGate.MAX_INHERITED_BACKOFF and sched.spec_acceptance_ema < 0.3
+    counts = [request(200, lambda out, d: 0 if out < 2 else d) for _ in range(5)]
+    assert all(c >= 30 for c in counts), counts  # ~50 verifications of 1 + 3 tokens each once drafts pay
+    assert sched.spec_backoff == DraftGate.FIRST_BACKOFF and sched.spec_acceptance_ema > 0.9
+
+
 def test_min_acceptance_overrides_the_cost_model(tiny_engine_factory, tiny_llama_dir):
     always = tiny_engine_factory(speculative_config={"method": "draft_model", "model": tiny_llama_dir,
                                                      "num_speculative_tokens": 3, "min_acceptance": 0})

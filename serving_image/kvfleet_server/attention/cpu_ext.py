@@ -1,6 +1,7 @@
 """Build and load kvfleet's C++ CPU kernels, one library from ``csrc/``: paged attention
-(``paged_attention_cpu.cpp``) and a decoder layer's fused element-wise ops (``layer_ops_cpu.cpp``:
-RMSNorm, residual add + RMSNorm, RoPE, SiLU-and-mul), sharing ``vec_avx2.h``.
+(``paged_attention_cpu.cpp``), a decoder layer's fused element-wise ops (``layer_ops_cpu.cpp``:
+RMSNorm, residual add + RMSNorm, RoPE, SiLU-and-mul) and the float32 panel linear (``linear_cpu.cpp``),
+sharing ``vec_avx2.h``.
 
 Built with ``torch.utils.cpp_extension.load`` (g++, and ninja: the ``ninja`` package installed with the
 project, found next to this interpreter) for a portable instruction-set level — x86-64-v3 (AVX2 + FMA:
@@ -15,7 +16,8 @@ time (the Makefile runs it after installing). A build lock older than ``STALE_LO
 midway) is removed rather than waited on forever.
 
 ``load()`` returns None, with the reason in ``load_error()``, when it cannot be built or loaded (no
-compiler, no ninja): the engine then serves with the torch reference backend and says so in the log.
+compiler, no ninja): the engine then serves with the torch reference backend and torch's layer ops,
+with float32 linears in oneDNN's layout, and says so in the log.
 """
 
 from __future__ import annotations
@@ -98,8 +100,8 @@ def _clear_stale_lock(path: str) -> None:
 
 def load():
     """The ``torch.ops.kvfleet.paged_attention_cpu`` op (building the kernel library on first use; the
-    layer ops ``torch.ops.kvfleet.*_cpu`` are then registered too), or None when it cannot be built here
-    (see ``load_error``)."""
+    layer ops ``torch.ops.kvfleet.*_cpu`` and ``linear_packed_cpu`` are then registered too), or None when
+    it cannot be built here (see ``load_error``)."""
     if "op" in _state:
         return _state["op"]
     op = None
@@ -119,7 +121,7 @@ def load():
         msg = str(exc).strip()
         _state["error"] = f"{type(exc).__name__}: {msg.splitlines()[-1] if msg else ''}"
         log.warning("kvfleet's CPU kernels unavailable (%s); paged attention and the layer ops use the torch "
-                    "reference", _state["error"])
+                    "reference, float32 linears oneDNN's layout", _state["error"])
     _state["op"] = op
     return op
 

@@ -70,7 +70,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_published_blocks = 0
         self.num_draft_computed = 0  # leading positions whose draft-model KV is in the cache
-        self.draft_gate: DraftGate | None = None  # set when the scheduler first admits the sequence
+        self.draft_gate: DraftGate | None = None  # set when the sequence is added to the scheduler
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -114,9 +114,10 @@ class DraftGate:
     0 never cuts off; at 1 or more the engine does not speculate at all) the sequence decodes without
     drafts for a back-off (8 steps, doubling after every failed probe up to 256), then probes with a
     single draft (a new sequence starts with a probe too while the acceptance over all sequences is
-    below the cut-off, and inherits the back-off the last sequence updated had reached: with a draft that
-    never agrees, each new request costs one probe, not one per doubling). A probe that pays brings k
-    drafts back; the back-off resets only once a full
+    below the cut-off, and starts from the back-off the last failed verification reached, at most
+    ``MAX_INHERITED_BACKOFF``: with a draft that never agrees, a request of up to 64 tokens costs one probe,
+    not one per doubling; any verification that pays resets what new sequences inherit, so acceptance that
+    recovers is picked up within 64 steps). A probe that pays brings k drafts back; the back-off resets only once a full
     verification pays. A sequence the proposer cannot predict costs almost nothing after a few steps, one
     that starts quoting its prompt is picked up again. The output distribution does not depend on when
     drafts are used (verification is lossless either way).
@@ -124,6 +125,7 @@ class DraftGate:
 
     MIN_ACCEPTANCE = 0.3
     FIRST_BACKOFF, MAX_BACKOFF = 8, 256
+    MAX_INHERITED_BACKOFF = 64
 
     def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, probing: bool = False, backoff: int = FIRST_BACKOFF):
         self.min_acceptance = min_acceptance
@@ -250,7 +252,8 @@ class Scheduler:
         # acceptance rate over every sequence's verifications: a new sequence starts with a one-draft
         # probe while it is below the break-even
         self.spec_acceptance_ema: float | None = None
-        #: the back-off of the gate updated last: a new sequence inherits it while acceptance is low
+        #: the back-off a new sequence starts from while acceptance is low: the last failed verification's
+        #: (capped at DraftGate.MAX_INHERITED_BACKOFF), back to the first once any verification pays
         self.spec_backoff = DraftGate.FIRST_BACKOFF
         self.max_model_len = max_model_len
         self.num_steps = 0
@@ -325,8 +328,11 @@ class Scheduler:
     def rollback(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """After verification: the accepted drafts' KV counts as computed; blocks holding only rejected
         draft slots go back to the pool at once (the partly rejected last block is overwritten later)."""
-        seq.draft_gate.update(self.num_steps, num_drafts, num_accepted)
-        self.spec_backoff = seq.draft_gate.backoff
+        gate = seq.draft_gate
+        gate.update(self.num_steps, num_drafts, num_accepted)
+        # a closed gate (probing next) failed; an open one paid
+        self.spec_backoff = (min(gate.backoff, DraftGate.MAX_INHERITED_BACKOFF) if gate.probing
+                             else DraftGate.FIRST_BACKOFF)
         rate, ema = num_accepted / num_drafts, self.spec_acceptance_ema
         self.spec_acceptance_ema = rate if ema is None else 0.7 * ema + 0.3 * rate
         seq.num_computed_tokens += num_accepted

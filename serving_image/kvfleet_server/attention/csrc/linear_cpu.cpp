@@ -113,13 +113,14 @@ at::Tensor linear_packed_cpu(const at::Tensor& x_in, const at::Tensor& wp, int64
               "linear_packed_cpu: wp must be contiguous [P, K, 16] float32");
   const int64_t M = x_in.size(0), K = x_in.size(1), P = wp.size(0);
   TORCH_CHECK(wp.size(1) == K, "linear_packed_cpu: x has K = ", K, ", the packed weight ", wp.size(1));
-  TORCH_CHECK(n > (P - 1) * kPanel && n <= P * kPanel, "linear_packed_cpu: n = ", n, " does not match ", P,
+  TORCH_CHECK(n >= 0 && (n + kPanel - 1) / kPanel == P, "linear_packed_cpu: n = ", n, " does not match ", P,
               " panels");
   const at::Tensor x = x_in.contiguous();
   at::Tensor bias;
   if (bias_in.has_value() && bias_in->defined()) {
     bias = bias_in->contiguous();
-    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.numel() == n, "linear_packed_cpu: bias must be [n] float32");
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.dim() == 1 && bias.numel() == n,
+                "linear_packed_cpu: bias must be [n] float32");
   }
   at::Tensor y = at::empty({M, n}, x.options());
   if (M == 0 || n == 0) return y;

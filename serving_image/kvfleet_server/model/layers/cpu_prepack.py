@@ -5,13 +5,13 @@ layout on each call; at decode's few rows (M = 1-32 against a 576 x 1536 weight)
 the arithmetic, and a decode step, which reads every weight, streams them at well under the memory's
 rate. Two packed layouts, each with one copy of the weight (the float weight is released):
 
-- ``PanelLinearMethod`` (the default where kvfleet's C++ kernels build): W [N, K] as 16-column panels
+- ``PanelLinearMethod`` (the default where kvfleet's C++ kernels build for AVX2): W [N, K] as 16-column panels
   [ceil(N / 16), K, 16] (``pack_panels``), multiplied by ``torch.ops.kvfleet.linear_packed_cpu``
   (attention/csrc/linear_cpu.cpp: a 6 x 16 AVX2 register-blocked micro-kernel with the next panel
   prefetched). Measured on this machine's 2 cores over SmolLM2-135M's 120 decoder linears, weights
-  streamed from memory (benchmarks/cpu_linear.py): 1.5x oneDNN at 1 row, 1.9x at 5, 1.5x at 32, par at
-  prefill's 2048 rows.
-- ``PrepackedLinearMethod`` (the fallback without the C++ library): oneDNN's inner product over a
+  streamed from memory (benchmarks/cpu_linear.py): 1.6x oneDNN at 1 row, 1.8x at 5, 1.3x at 32, about
+  par at prefill's 2048 rows (0.85-1.18x by shape).
+- ``PrepackedLinearMethod`` (the fallback without the C++ library or AVX2): oneDNN's inner product over a
   weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), what
   vLLM's CPU backend and Inductor's weight freezing do.
 
@@ -79,11 +79,12 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 
 
 def packed_method() -> type[PrepackedLinearMethod] | None:
-    """The packed layout this machine can run: kvfleet's panels where its C++ kernels load, else oneDNN's
+    """The packed layout this machine runs fastest: kvfleet's panels where its C++ kernels load in their
+    AVX2 build (x86-64-v3; the portable build's scalar loops are 3-13x slower than oneDNN), else oneDNN's
     where torch has it, else None."""
     from ...attention import cpu_ext
 
-    if cpu_ext.load() is not None:
+    if cpu_ext.isa_level() == "x86-64-v3" and cpu_ext.load() is not None:
         return PanelLinearMethod
     return PrepackedLinearMethod if torch.backends.mkldnn.is_available() else None
 
