@@ -104,9 +104,12 @@ def prepack_linears(model: torch.nn.Module,
                     method: type[PrepackedLinearMethod] | None = None) -> tuple[int, int]:
     """Swap each unquantized float32 ``Linear`` of ``model`` to ``method`` (default ``packed_method()``),
     releasing its float weight, and give a tied LM head (``model.lm_head`` None) a packed copy of the
-    embedding. Returns (linears packed, bytes of the tied head's extra copy)."""
+    embedding. Returns (linears packed, bytes of the tied head's extra copy); (0, 0) when no packed
+    layout runs here."""
     method = method or packed_method()
     count, extra = 0, 0
+    if method is None:
+        return count, extra
     for m in model.modules():
         if type(m) is Linear and _packable(m):
             m.packed_out = m.weight.shape[0]
