@@ -61,7 +61,7 @@ class PanelLinearMethod(PrepackedLinearMethod):
         return pack_panels(w)
 
     def apply(self, layer, x, bias):
-        n = layer.packed_out  # N, set by prepack_linears
+        n = layer.output_size  # N: the panels' rows past it are padding
         y = torch.ops.kvfleet.linear_packed_cpu(x.reshape(-1, x.shape[-1]), layer.packed_weight, n, bias)
         return y.view(*x.shape[:-1], n)
 
@@ -89,10 +89,6 @@ def packed_method() -> type[PrepackedLinearMethod] | None:
     return PrepackedLinearMethod if torch.backends.mkldnn.is_available() else None
 
 
-def can_prepack() -> bool:
-    return packed_method() is not None
-
-
 def _packable(m: torch.nn.Module) -> bool:
     if type(m.quant_method) is not UnquantizedLinearMethod:  # quantized methods hold no float ``weight``
         return False
@@ -112,7 +108,6 @@ def prepack_linears(model: torch.nn.Module,
         return count, extra
     for m in model.modules():
         if type(m) is Linear and _packable(m):
-            m.packed_out = m.weight.shape[0]
             packed = method.pack(m.weight.detach())
             del m.weight
             m.register_parameter("weight", None)
@@ -121,7 +116,6 @@ def prepack_linears(model: torch.nn.Module,
             count += 1
     emb = getattr(model, "embed_tokens", None)
     if hasattr(model, "lm_head") and model.lm_head is None and isinstance(emb, VocabEmbedding) and _packable(emb):
-        emb.packed_out = emb.weight.shape[0]
         emb.register_buffer("packed_weight", method.pack(emb.weight.detach()), persistent=False)
         emb.quant_method = method()
         extra = emb.packed_weight.numel() * emb.packed_weight.element_size()
