@@ -10,7 +10,8 @@ built once (``make``, a container image's build stage) runs on any machine of th
 under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in ``kvfleet/<name>``, the name
 carrying the level and a hash of the source (its text and its path: torch rebuilds when the source path
 in its build file changes, so two checkouts must not share a folder), the flags, torch's and Python's
-versions: a restart loads the cached library (milliseconds; ninja only checks it is up to date), and
+versions: a restart loads the cached library directly (``torch.ops.load_library``, milliseconds: the name
+already hashes every input, so neither ninja's check nor ``cpp_extension`` is needed), and
 different sources, checkouts or toolchains never share a folder. The first build takes tens of seconds; ``main()`` builds it ahead of
 time (the Makefile runs it after installing). A build lock older than ``STALE_LOCK_S`` (a build killed
 midway) is removed rather than waited on forever.
@@ -76,9 +77,10 @@ def _name() -> str:
 
 
 def build_directory(name: str) -> str:
-    from torch.utils.cpp_extension import get_default_build_root
+    import torch._appdirs  # what cpp_extension.get_default_build_root uses, without importing cpp_extension
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.realpath(
+        torch._appdirs.user_cache_dir(appname="torch_extensions"))
     path = os.path.join(root, "kvfleet", name)
     os.makedirs(path, exist_ok=True)
     return path
@@ -98,6 +100,26 @@ def _clear_stale_lock(path: str) -> None:
             pass
 
 
+def _load_built(path: str, name: str) -> bool:
+    """Load the library a finished build left in ``path`` (no build lock, the .so present), without
+    importing ``torch.utils.cpp_extension`` (and setuptools: ~0.3 s) or running ninja's up-to-date check:
+    ``name`` already hashes every input of the build. False when there is none or it does not load (a
+    truncated file): ``cpp_extension.load`` then builds it."""
+    so = os.path.join(path, f"{name}.so")
+    if os.path.exists(os.path.join(path, "lock")) or not os.path.isfile(so):
+        return False
+    try:
+        torch.ops.load_library(so)
+        return True
+    except OSError as exc:
+        log.warning("cached CPU-kernel library %s does not load (%s); building it again", so, exc)
+        try:
+            os.remove(so)  # else ninja would find it up to date
+        except OSError:
+            pass
+        return False
+
+
 def load():
     """The ``torch.ops.kvfleet.paged_attention_cpu`` op (building the kernel library on first use; the
     layer ops ``torch.ops.kvfleet.*_cpu`` and ``linear_packed_cpu`` are then registered too), or None when
@@ -106,16 +128,17 @@ def load():
         return _state["op"]
     op = None
     try:
-        from torch.utils import cpp_extension
-
         bindir = os.path.dirname(sys.executable)  # the venv's ninja, also when the venv is not activated
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         name = _name()
         path = build_directory(name)
         _clear_stale_lock(path)
-        cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
-                           build_directory=path, is_python_module=False, verbose=False)
+        if not _load_built(path, name):
+            from torch.utils import cpp_extension
+
+            cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=_cflags(),
+                               extra_ldflags=["-fopenmp"], build_directory=path, is_python_module=False, verbose=False)
         op = torch.ops.kvfleet.paged_attention_cpu
     except Exception as exc:  # no compiler / ninja / headers: the torch backend serves instead
         msg = str(exc).strip()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -27,7 +28,7 @@ from ..executor.distributed import TPGroup
 from ..executor.engine_setup import build_shard, prepare_model, size_kv_pool
 from ..executor.workers import WorkerGroup, start_workers
 from ..model.layers.quant import model_weight_bytes, quantization_note
-from ..model.loader import is_gguf, load_model_config, open_gguf
+from ..model.loader import GGUFModelFile, is_gguf, load_model_config
 from ..model.sharding import check_tp_size
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..executor.model_runner import kv_bytes_per_token
@@ -45,6 +46,13 @@ from ..spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("kvfleet.engine")
 
+
+
+def _timed(fn, *args, **kwargs):
+    """(fn(*args, **kwargs), seconds it took)."""
+    t = time.monotonic()
+    out = fn(*args, **kwargs)
+    return out, time.monotonic() - t
 
 
 class LLMEngine:
@@ -76,32 +84,37 @@ class LLMEngine:
             t = now
 
         path = config.resolved_model()
-        reader = open_gguf(path) if is_gguf(path) else None  # parsed once, for the config and the weights
-        if reader is not None:
-            lap("gguf parse")
+        self.quantization = config.resolved_quantization()
+        gguf = None
+        if is_gguf(path):  # read once, for the config, the tokenizer and the weights
+            gguf = GGUFModelFile(path, packed=self.quantization == "gguf")
+            lap("gguf cache read" if gguf.from_cache else "gguf parse")
         tp_size = config.tensor_parallel_size
         self.tp = TPGroup(0, tp_size, torch.device("cuda:0" if self.device == "cuda" else self.device))
         self.workers: WorkerGroup | None = None
-        if tp_size > 1:
-            check_tp_size(load_model_config(path, reader), tp_size)  # refuse before spawning anything
-            self.workers = start_workers(config, self.device)
-            lap("tensor-parallel spawn")
         try:
-            self.quantization = config.resolved_quantization()
-            self.model, self.model_config, max_len = build_shard(config, self.tp, reader, timings=lap)
+            mcfg = load_model_config(path, gguf)
+            if tp_size > 1:
+                check_tp_size(mcfg, tp_size)  # refuse before spawning anything
+                self.workers = start_workers(config, self.device)
+                lap("tensor-parallel spawn")
+            # the tokenizer loads in a thread while the weights are copied (mostly outside the GIL)
+            arch = gguf.architecture if gguf is not None and config.tokenizer in (None, path) else None
+            pool = ThreadPoolExecutor(1, thread_name_prefix="kvfleet-tokenizer")
+            tokenizer = pool.submit(_timed, Tokenizer.from_path, config.tokenizer or path, mcfg.eos_token_ids,
+                                    gguf_architecture=arch)
+            pool.shutdown(wait=False)
+            self.model, self.model_config, max_len = build_shard(config, self.tp, gguf, timings=lap)
             #: bytes of the weights as stored by this rank (packed/quantized formats included; rope excluded)
             self.weight_bytes = model_weight_bytes(self.model)
             logger.info("weights: %s, %.1f MiB%s, activations %s%s", self.quantization or "unquantized",
                         self.weight_bytes / 2**20, f" (rank 0 of {tp_size})" if tp_size > 1 else "", self.dtype,
                         quantization_note(self.quantization, self.device))
             lap("weights")
-            arch = None
-            if reader is not None and config.tokenizer in (None, path):
-                arch = reader.fields["general.architecture"].contents()
-            del reader  # drop the file mapping: the weights are copied into the model
-            self.tokenizer = Tokenizer.from_path(config.tokenizer or path, self.model_config.eos_token_ids,
-                                                 gguf_architecture=arch)
-            lap("tokenizer")
+            if gguf is not None:
+                gguf.close()  # drop the file mapping: the weights are copied into the model
+            self.tokenizer, timings["tokenizer (in a thread)"] = tokenizer.result()
+            lap("tokenizer wait")
             if self.workers is not None:
                 self.workers.wait_loaded()
                 lap("tensor-parallel workers loaded")
@@ -173,8 +186,9 @@ class LLMEngine:
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
         lap("other")
-        #: seconds spent per start-up phase (gguf parse, config, weights, tokenizer, kv_cache allocation,
-        #: other), in order; the server logs them. No warm-up step is run.
+        #: seconds spent per start-up phase (gguf parse or gguf cache read, config, weights, tokenizer
+        #: wait, kv_cache allocation, compile, other), in order, and "tokenizer (in a thread)": the
+        #: tokenizer's own load time, overlapped with the weights; the server logs them.
         self.startup_timings: dict[str, float] = timings
 
     @classmethod

@@ -23,7 +23,7 @@ from .cuda_graphs import DecodeGraphs, capture_sizes, graph_memory_bytes
 from ..attention.kv_quant import kv_cache_torch_dtype
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, MAX_DEFAULT_MODEL_LEN, EngineConfig
 from ..model.config import ModelConfig
-from ..model.loader import is_gguf, load_model, load_model_config, open_gguf
+from ..model.loader import GGUFModelFile, is_gguf, load_model, load_model_config
 from ..model.sharding import check_tp_size
 from .distributed import TPGroup
 from .model_runner import ModelRunner, StepInputs, kv_bytes_per_token
@@ -41,22 +41,22 @@ def resolve_max_len(config: EngineConfig, mcfg: ModelConfig) -> int:
     return config.max_model_len or min(model_max, MAX_DEFAULT_MODEL_LEN)
 
 
-def build_shard(config: EngineConfig, tp: TPGroup, reader=None, timings=None):
-    """Load rank ``tp.rank``'s shard of the model.
+def build_shard(config: EngineConfig, tp: TPGroup, gguf: GGUFModelFile | None = None, timings=None):
+    """Load rank ``tp.rank``'s shard of the model (``gguf``: the GGUF file already read, else read here).
 
     Returns (model, ModelConfig, max_len). Raises UnsupportedFeatureError when the head counts cannot
     split over ``tp.world_size`` (before any weight is read), ModelLoadError / ValueError otherwise.
     """
     path = config.resolved_model()
-    if reader is None and is_gguf(path):
-        reader = open_gguf(path)
-    mcfg = load_model_config(path, reader)
+    if gguf is None and is_gguf(path):
+        gguf = GGUFModelFile(path, packed=config.resolved_quantization() == "gguf")
+    mcfg = load_model_config(path, gguf)
     check_tp_size(mcfg, tp.world_size)
     max_len = resolve_max_len(config, mcfg)
     if timings is not None:
         timings("config")
     device = str(tp.device) if tp.is_parallel else config.resolved_device()
-    model, mcfg = load_model(path, config.resolved_dtype(), device, max_positions=max_len, reader=reader,
+    model, mcfg = load_model(path, config.resolved_dtype(), device, max_positions=max_len, gguf=gguf,
                              quantization=config.resolved_quantization(), tp=tp)
     return model, mcfg, max_len
 

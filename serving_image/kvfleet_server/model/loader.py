@@ -191,6 +191,54 @@ def open_gguf(path: str):
         raise ModelLoadError(f"cannot read GGUF file {path!r}: {e}") from e
 
 
+class GGUFModelFile:
+    """One GGUF model file, read at most once per process.
+
+    Its ModelConfig, GGUF architecture and tensors come from the GGUF cache (``gguf_cache.py``) when an
+    earlier start saved them, else from one parse (``open_gguf``), whose decoded tensors are then
+    saved for the next start.
+
+    Args:
+        path: the .gguf file.
+        packed: keep Q4_0/Q4_1/Q8_0 matrices packed (``--quantization gguf``) instead of dequantizing.
+    Raises ModelLoadError (not a readable GGUF) or UnsupportedFeatureError (architecture, rope scaling).
+    """
+
+    def __init__(self, path: str, packed: bool = False):
+        from . import gguf_cache
+
+        self.path, self.packed = path, packed
+        self.reader = None
+        self._tensors = None
+        hit = gguf_cache.load(path, packed)
+        if hit is not None:
+            self.config, self.architecture, self._tensors = hit
+            self.from_cache = True
+        else:
+            self.reader = open_gguf(path)
+            self.config = read_gguf_config(self.reader)
+            self.architecture = _field(self.reader, "general.architecture")
+            self.from_cache = False
+
+    def tensors(self) -> dict[str, torch.Tensor | GGUFTensor]:
+        """``read_gguf_tensors``' result (float32 tensors; ``GGUFTensor`` blocks when ``packed``). Hands
+        them over once: the object keeps no reference, so the copy into the model is the only one left."""
+        from . import gguf_cache
+
+        if self._tensors is not None:
+            t, self._tensors = self._tensors, None
+            return t
+        if self.reader is None:
+            raise RuntimeError(f"the tensors of {self.path} were already handed over")
+        t = read_gguf_tensors(self.reader, self.config, packed=self.packed)
+        gguf_cache.save(self.path, self.packed, self.config, self.architecture, t)
+        return t
+
+    def close(self) -> None:
+        """Drop the file mapping and any tensors not handed over."""
+        self.reader = self._tensors = None
+
+
 def _field(reader, key, default=None):
     f = reader.fields.get(key)
     if f is None:
@@ -362,27 +410,28 @@ def _check_shapes(cfg: ModelConfig, params: dict[str, list]) -> None:
             )
 
 
-def load_model_config(path: str, reader=None) -> ModelConfig:
+def load_model_config(path: str, gguf: GGUFModelFile | None = None) -> ModelConfig:
     """Read only the architecture config of a model directory or GGUF file.
 
-    ``reader``: an already parsed GGUF (``open_gguf(path)``) to reuse instead of parsing ``path`` again.
+    ``gguf``: the already read GGUF file (``GGUFModelFile(path)``) to reuse instead of reading ``path`` again.
     """
     if is_gguf(path):
-        return read_gguf_config(reader if reader is not None else open_gguf(path))
+        return (gguf if gguf is not None else GGUFModelFile(path)).config
     if os.path.isdir(path):
         return read_hf_config(path)
     raise ModelLoadError(f"expected a model directory with config.json or a .gguf file, got {path!r}")
 
 
-def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | None = None, reader=None,
-               quantization: str | None = None, tp=None):
+def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | None = None,
+               gguf: GGUFModelFile | None = None, quantization: str | None = None, tp=None):
     """Load weights into kvfleet's model.
 
     ``tp``: a ``TPGroup`` (rank r of N): the model is built with rank r's shard and every ``Linear``'s
     weight_loader keeps only that rank's slice of each checkpoint tensor (the group need not be
     connected yet).
 
-    ``reader``: an already parsed GGUF (``open_gguf(path)``) to reuse instead of parsing ``path`` again.
+    ``gguf``: the already read GGUF file (``GGUFModelFile(path, packed=quantization == "gguf")``) to reuse
+    instead of reading ``path`` again; its tensors are handed over to the model.
     ``quantization``: None (model dtype), "fp8" | "int8" | "int4" (quantized at load from the float
     weights; a GGUF file is dequantized first), or "gguf" (a .gguf file's Q4_0/Q4_1/Q8_0 tensors kept packed).
 
@@ -394,9 +443,12 @@ def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | 
     """
     kv_scales: dict[int, tuple[float, float]] = {}
     if is_gguf(path):
-        reader = reader if reader is not None else open_gguf(path)
-        cfg = read_gguf_config(reader)
-        params = gguf_to_kvfleet(cfg, read_gguf_tensors(reader, cfg, packed=quantization == "gguf"))
+        packed = quantization == "gguf"
+        gguf = gguf if gguf is not None else GGUFModelFile(path, packed)
+        if gguf.packed != packed:
+            raise ValueError(f"GGUFModelFile(packed={gguf.packed}) given for quantization={quantization!r}")
+        cfg = gguf.config
+        params = gguf_to_kvfleet(cfg, gguf.tensors())
     elif os.path.isdir(path):
         if quantization == "gguf":
             raise UnsupportedFeatureError(
