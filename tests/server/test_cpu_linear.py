@@ -115,3 +115,46 @@ def test_bad_inputs_are_refused_by_name(case, match):
         wp = wp.transpose(0, 1)
     with pytest.raises(RuntimeError, match=match):
         torch.ops.kvfleet.linear_packed_cpu(x, wp, n, b)
+
+
+# --- int8 weights (--quantization int8 on the CPU) --------------------------------------------------------
+def int8_op(x, q, s, bias=None):
+    from kvfleet_server.model.layers.cpu_prepack import PANEL
+
+    panels = pack_panels(q)
+    padded = torch.zeros(panels.shape[0] * PANEL)
+    padded[:q.shape[0]] = s
+    return torch.ops.kvfleet.linear_packed_int8_cpu(x, panels, padded, q.shape[0], bias)
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 32, 97])
+@pytest.mark.parametrize("k,n", [(1, 3), (33, 17), (576, 40), (1536, 31)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_panel_linear_matches_float64(m, k, n, bias):
+    """y = (x . q) * s + b: float32 fused multiply-adds (one rounding per term), so the float64 bound of a
+    float32 sum of K terms holds for the dequantized weight q · s."""
+    g = torch.Generator().manual_seed(m * 1000 + k + n + 5)
+    x = torch.randn(m, k, generator=g)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = torch.rand(n, generator=g) / (127 * k ** 0.5)
+    b = torch.randn(n, generator=g) if bias else None
+    assert_close_to_float64(int8_op(x, q, s, b), x, q.double() * s.double()[:, None], b)
+
+
+def test_int8_panel_linear_refuses_bad_inputs_by_name():
+    q = torch.zeros(16, 8, dtype=torch.int8)
+    panels = pack_panels(q)
+    x = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        torch.ops.kvfleet.linear_packed_int8_cpu(x, panels, torch.zeros(15), 16, None)
+    with pytest.raises(RuntimeError, match="int8|Char"):
+        torch.ops.kvfleet.linear_packed_int8_cpu(x, panels.float(), torch.zeros(16), 16, None)
+    with pytest.raises(RuntimeError, match="K = 4"):
+        torch.ops.kvfleet.linear_packed_int8_cpu(torch.zeros(2, 4), panels, torch.zeros(16), 16, None)
+
+
+def test_a_library_without_the_build_marker_is_not_loaded_directly(tmp_path):
+    """A link killed midway leaves a truncated .so (loading it can SIGBUS): only a build that finished,
+    marked <name>.ok, is loaded without ninja's check."""
+    (tmp_path / "lib.so").write_bytes(b"\x7fELF truncated")
+    assert cpu_ext._load_built(str(tmp_path), "lib") is False

@@ -85,8 +85,35 @@ def test_a_changed_file_misses_and_replaces_its_old_entry(cache, gguf_copy):
     g = GGUFModelFile(gguf_copy)
     assert not g.from_cache
     g.tensors()
-    assert len(os.listdir(cache)) == 2  # the old dequantized entry removed, the packed one kept
+    assert len(os.listdir(cache)) == 1  # both entries of the old file removed, the new one written
     assert GGUFModelFile(gguf_copy).from_cache
+    assert not GGUFModelFile(gguf_copy, packed=True).from_cache
+
+
+def test_a_file_replaced_while_it_is_read_is_not_cached_under_its_new_identity(cache, gguf_copy, tmp_path):
+    from kvfleet_server.model.loader import GGUFModelFile
+
+    other = tmp_path / "other.gguf"
+    shutil.copyfile(gguf_copy, other)
+    g = GGUFModelFile(gguf_copy)  # a miss: the file is mapped
+    os.replace(other, gguf_copy)  # a model update lands during the start
+    g.tensors()
+    assert not GGUFModelFile(gguf_copy).from_cache
+
+
+def test_a_file_rewritten_in_place_with_its_old_mtime_misses(cache, gguf_copy):
+    from kvfleet_server.model.loader import GGUFModelFile
+
+    GGUFModelFile(gguf_copy).tensors()
+    st = os.stat(gguf_copy)
+    with open(gguf_copy, "r+b") as f:  # same size, one byte of tensor data changed
+        f.seek(st.st_size - 1)
+        b = f.read(1)
+        f.seek(st.st_size - 1)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(gguf_copy, ns=(st.st_atime_ns, st.st_mtime_ns))  # cp -p / rsync -t / tar keep mtimes
+    assert os.stat(gguf_copy).st_mtime_ns == st.st_mtime_ns
+    assert not GGUFModelFile(gguf_copy).from_cache  # the ctime moved
 
 
 def test_a_damaged_entry_is_parsed_again_and_rewritten(cache, gguf_copy, caplog):
@@ -112,13 +139,22 @@ def test_an_unwritable_cache_only_costs_the_parse(tmp_path, monkeypatch, gguf_co
     assert not GGUFModelFile(gguf_copy).from_cache
 
 
-def test_cache_off(monkeypatch, gguf_copy, tmp_path):
+@pytest.mark.parametrize("off", ["off", "0", "false", "no"])
+def test_cache_off(monkeypatch, gguf_copy, tmp_path, off):
     from kvfleet_server.model.loader import GGUFModelFile
 
-    monkeypatch.setenv("KVFLEET_GGUF_CACHE", "off")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVFLEET_GGUF_CACHE", off)
     GGUFModelFile(gguf_copy).tensors()
     assert not GGUFModelFile(gguf_copy).from_cache
-    assert not (tmp_path / "off").exists()
+    assert not (tmp_path / off).exists()
+
+
+def test_tensor_parallel_workers_do_not_write_entries(cache, gguf_copy):
+    from kvfleet_server.model.loader import GGUFModelFile
+
+    GGUFModelFile(gguf_copy, save=False).tensors()
+    assert not cache.exists() or not os.listdir(cache)
 
 
 def test_packed_file_for_a_float_load_is_refused(cache, gguf_copy):

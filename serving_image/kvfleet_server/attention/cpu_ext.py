@@ -72,7 +72,8 @@ def _cflags() -> list[str]:
 
 def _name() -> str:
     files = [part for f in SOURCES + HEADERS for part in (f.read_bytes(), str(f).encode())]
-    key = b"\0".join(files + [" ".join(_cflags()).encode(), torch.__version__.encode(), sys.version.encode()])
+    key = b"\0".join(files + [" ".join(_cflags()).encode(), torch.__version__.encode(), sys.version.encode(),
+                              os.environ.get("CXX", "").encode()])
     return f"kvfleet_cpu_ops_{isa_level().replace('-', '_') or 'generic'}_{hashlib.sha1(key).hexdigest()[:10]}"
 
 
@@ -101,23 +102,33 @@ def _clear_stale_lock(path: str) -> None:
 
 
 def _load_built(path: str, name: str) -> bool:
-    """Load the library a finished build left in ``path`` (no build lock, the .so present), without
-    importing ``torch.utils.cpp_extension`` (and setuptools: ~0.3 s) or running ninja's up-to-date check:
-    ``name`` already hashes every input of the build. False when there is none or it does not load (a
-    truncated file): ``cpp_extension.load`` then builds it."""
-    so = os.path.join(path, f"{name}.so")
-    if os.path.exists(os.path.join(path, "lock")) or not os.path.isfile(so):
+    """Load the library a finished build left in ``path`` without importing ``torch.utils.cpp_extension``
+    (and setuptools: ~0.3 s) or running ninja's up-to-date check: ``name`` already hashes every input of
+    the build. "Finished" is the ``<name>.ok`` marker ``load`` writes after ``cpp_extension.load``
+    succeeded — not the .so alone, which a link killed midway leaves truncated (loading one can kill
+    the process with SIGBUS). False when there is none or it does not load: ``cpp_extension.load``
+    then checks (and rebuilds) it."""
+    so, ok = os.path.join(path, f"{name}.so"), os.path.join(path, f"{name}.ok")
+    if not (os.path.isfile(ok) and os.path.isfile(so)):
         return False
     try:
         torch.ops.load_library(so)
         return True
     except OSError as exc:
-        log.warning("cached CPU-kernel library %s does not load (%s); building it again", so, exc)
+        log.warning("cached CPU-kernel library %s does not load (%s); checking the build again", so, exc)
         try:
-            os.remove(so)  # else ninja would find it up to date
+            os.remove(ok)
         except OSError:
             pass
         return False
+
+
+def _mark_built(path: str, name: str) -> None:
+    try:
+        with open(os.path.join(path, f"{name}.ok"), "w") as f:
+            f.write("built\n")
+    except OSError:
+        pass  # a read-only cache: the next start checks with ninja again
 
 
 def load():
@@ -139,7 +150,9 @@ def load():
 
             cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=_cflags(),
                                extra_ldflags=["-fopenmp"], build_directory=path, is_python_module=False, verbose=False)
+            _mark_built(path, name)
         op = torch.ops.kvfleet.paged_attention_cpu
+        _register_fakes()
     except Exception as exc:  # no compiler / ninja / headers: the torch backend serves instead
         msg = str(exc).strip()
         _state["error"] = f"{type(exc).__name__}: {msg.splitlines()[-1] if msg else ''}"
@@ -147,6 +160,20 @@ def load():
                     "reference, float32 linears oneDNN's layout", _state["error"])
     _state["op"] = op
     return op
+
+
+def _register_fakes() -> None:
+    """Shape functions of the linear ops, so that torch.compile traces layers that call them (the
+    int8 panel linear runs inside the compiled pieces at -O3)."""
+
+    def linear_fake(x, wp, n, bias):
+        return x.new_empty(x.shape[0], n)
+
+    def linear_int8_fake(x, wp, scales, n, bias):
+        return x.new_empty(x.shape[0], n)
+
+    torch.library.register_fake("kvfleet::linear_packed_cpu", linear_fake)
+    torch.library.register_fake("kvfleet::linear_packed_int8_cpu", linear_int8_fake)
 
 
 def load_error() -> str | None:

@@ -49,7 +49,8 @@ def build_shard(config: EngineConfig, tp: TPGroup, gguf: GGUFModelFile | None = 
     """
     path = config.resolved_model()
     if gguf is None and is_gguf(path):
-        gguf = GGUFModelFile(path, packed=config.resolved_quantization() == "gguf")
+        # every rank reads the file; only rank 0 writes the GGUF cache (one entry, not N concurrent writes)
+        gguf = GGUFModelFile(path, packed=config.resolved_quantization() == "gguf", save=tp.rank == 0)
     mcfg = load_model_config(path, gguf)
     check_tp_size(mcfg, tp.world_size)
     max_len = resolve_max_len(config, mcfg)

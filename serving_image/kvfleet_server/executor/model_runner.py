@@ -44,16 +44,16 @@ def zeroed_cpu_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype) -
 
     The kernel hands out zero pages on first touch, so nothing is written here: a 1 GiB KV pool costs
     no start-up time (``torch.zeros`` writes every page, ~0.4-0.8 s on a 2-core machine) and only the
-    blocks in use become resident. Each tensor keeps the map alive. Transparent huge pages are
-    requested for it where the kernel offers them (fewer TLB misses in attention's block reads).
+    pages of blocks in use become resident. Each tensor keeps the map alive. No transparent huge pages
+    are requested: a first touch would then zero (and make resident) 2 MiB for a 12 KiB block. The
+    memory is committed lazily, so a pool larger than a container's memory limit fails under load,
+    not at start-up: size ``kv_cache_memory_bytes`` within the limit.
     """
     import mmap
 
     nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
     stride = -(-nbytes // 64) * 64  # each tensor 64-byte aligned, like torch's CPU allocator
     buf = mmap.mmap(-1, max(stride * count, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
     flat = torch.frombuffer(buf, dtype=torch.uint8)
     return [flat[i * stride:i * stride + nbytes].view(dtype).view(shape) for i in range(count)]
 

@@ -192,25 +192,27 @@ def open_gguf(path: str):
 
 
 class GGUFModelFile:
-    """One GGUF model file, read at most once per process.
+    """One GGUF model file, read once for the engine's config, tokenizer architecture and weights.
 
     Its ModelConfig, GGUF architecture and tensors come from the GGUF cache (``gguf_cache.py``) when an
     earlier start saved them, else from one parse (``open_gguf``), whose decoded tensors are then
-    saved for the next start.
+    saved for the next start (with ``save``; tensor-parallel workers other than rank 0 do not save).
 
     Args:
         path: the .gguf file.
         packed: keep Q4_0/Q4_1/Q8_0 matrices packed (``--quantization gguf``) instead of dequantizing.
+        save: write a cache entry after a parse.
     Raises ModelLoadError (not a readable GGUF) or UnsupportedFeatureError (architecture, rope scaling).
     """
 
-    def __init__(self, path: str, packed: bool = False):
+    def __init__(self, path: str, packed: bool = False, save: bool = True):
         from . import gguf_cache
 
-        self.path, self.packed = path, packed
+        self.path, self.packed, self._save = path, packed, save
+        self._source = gguf_cache.Source.of(path, packed)  # the file's identity before it is read
         self.reader = None
         self._tensors = None
-        hit = gguf_cache.load(path, packed)
+        hit = gguf_cache.load(self._source)
         if hit is not None:
             self.config, self.architecture, self._tensors = hit
             self.from_cache = True
@@ -231,7 +233,8 @@ class GGUFModelFile:
         if self.reader is None:
             raise RuntimeError(f"the tensors of {self.path} were already handed over")
         t = read_gguf_tensors(self.reader, self.config, packed=self.packed)
-        gguf_cache.save(self.path, self.packed, self.config, self.architecture, t)
+        if self._save:
+            gguf_cache.save(self._source, self.config, self.architecture, t)
         return t
 
     def close(self) -> None:

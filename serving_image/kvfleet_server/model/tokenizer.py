@@ -23,13 +23,14 @@ def tokenizer_cache_dir() -> str:
 
 
 def _gguf_cache_entry(path: str, architecture: str | None) -> str:
-    """The cache folder of one GGUF's tokenizer: keyed by the file (absolute path, size, mtime), its
+    """The cache folder of one GGUF's tokenizer: keyed by the file (absolute path, device, inode, size,
+    mtime and ctime: a file rewritten with its old mtime restored still misses), its
     architecture and the transformers version that converted it, so a changed file or library rebuilds."""
     import transformers
 
     st = os.stat(path)
-    key = "\0".join([os.path.abspath(path), str(st.st_size), str(st.st_mtime_ns), str(architecture),
-                     transformers.__version__])
+    key = "\0".join([os.path.abspath(path), str(st.st_dev), str(st.st_ino), str(st.st_size), str(st.st_mtime_ns),
+                     str(st.st_ctime_ns), str(architecture), transformers.__version__])
     return os.path.join(tokenizer_cache_dir(), hashlib.sha1(key.encode()).hexdigest()[:16])
 
 
