@@ -153,8 +153,13 @@ def test_int8_panel_linear_refuses_bad_inputs_by_name():
         torch.ops.kvfleet.linear_packed_int8_cpu(torch.zeros(2, 4), panels, torch.zeros(16), 16, None)
 
 
-def test_a_library_without_the_build_marker_is_not_loaded_directly(tmp_path):
+def test_only_a_library_with_the_build_marker_is_loaded_directly(tmp_path, monkeypatch):
     """A link killed midway leaves a truncated .so (loading it can SIGBUS): only a build that finished,
     marked <name>.ok, is loaded without ninja's check."""
+    loaded = []
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
     (tmp_path / "lib.so").write_bytes(b"\x7fELF truncated")
-    assert cpu_ext._load_built(str(tmp_path), "lib") is False
+    assert cpu_ext._load_built(str(tmp_path), "lib") is False and loaded == []
+    (tmp_path / "lib.ok").write_text("built\n")
+    assert cpu_ext._load_built(str(tmp_path), "lib") is True
+    assert loaded == [str(tmp_path / "lib.so")]

@@ -110,10 +110,11 @@ def load(source: Source) -> tuple[ModelConfig, str, dict] | None:
     if entry is None or not os.path.isfile(entry):
         return None
     try:
-        from safetensors.torch import load_file
+        from safetensors import safe_open
 
-        meta = _read_meta(entry)
-        tensors: dict = load_file(entry)
+        with safe_open(entry, framework="pt") as f:  # one open for the metadata and the tensors
+            meta = json.loads(f.metadata()[_META])
+            tensors: dict = {k: f.get_tensor(k) for k in f.keys()}
         for name, (type_name, rows, cols) in meta["packed"].items():
             tensors[name] = GGUFTensor(type_name, tensors[name].numpy(), (rows, cols))
         return ModelConfig(**meta["config"]), meta["architecture"], tensors
