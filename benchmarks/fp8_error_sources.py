@@ -59,6 +59,25 @@ def _fp8_group32(w):
     return ((g / s).to(F8).float() * s).view(n, k)
 
 
+def _hadamard(n: int) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix of size n (a power of 2)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def _rotated(fn, block: int):
+    """Round ``W @ R^T`` with ``fn`` and rotate back (``R`` block-diagonal Hadamard over the input dimension):
+    what a linear computes when its input is rotated online, ``(W R^T)(R x)`` (QuaRot's trick)."""
+    def run(w):
+        n, k = w.shape
+        h = _hadamard(block)
+        wr = (w.view(n, k // block, block) @ h.T).view(n, k)
+        return (fn(wr).view(n, k // block, block) @ h).view(n, k)
+    return run
+
+
 def _int8_channel(w):
     s = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
     return torch.round(w / s).clamp(-127, 127) * s
@@ -71,7 +90,7 @@ def _engine_fp8(w):
     return w8.float() * s[:, None]
 
 
-WEIGHT_VARIANTS = {  # name: (rounding, projections it applies to; None = all)
+WEIGHT_VARIANTS = {  # name: (rounding or {name suffix: rounding}, projections it applies to; None = all)
     "weights fp8 (engine)": (_engine_fp8, None),
     "weights fp8, qkv_proj only": (_engine_fp8, "qkv_proj"),
     "weights fp8, o_proj only": (_engine_fp8, "o_proj"),
@@ -80,11 +99,18 @@ WEIGHT_VARIANTS = {  # name: (rounding, projections it applies to; None = all)
     "weights fp8, MSE-optimal channel scale": (_fp8_mse, None),
     "weights fp8, one scale per tensor": (_fp8_tensor, None),
     "weights fp8, one scale per 32 (not the issue's format)": (_fp8_group32, None),
+    "weights fp8, input rotated (Hadamard 64 blocks)": (_rotated(_engine_fp8, 64), None),
+    "weights fp8, down_proj's input rotated (Hadamard 64 blocks)": (
+        {"down_proj": _rotated(_engine_fp8, 64), "": _engine_fp8}, None),
+    "weights fp8, down_proj's and o_proj's inputs rotated": (
+        {"down_proj": _rotated(_engine_fp8, 64), "o_proj": _rotated(_engine_fp8, 64), "": _engine_fp8}, None),
     "weights int8 per channel (float32 activations)": (_int8_channel, None),
     "weights bfloat16": (lambda w: w.to(torch.bfloat16).float(), None),
 }
-KV_VARIANTS = {  # name: (quantize K, quantize V, headroom or "one", per head, dtype)
+KV_VARIANTS = {  # name: (quantize K, quantize V, headroom or "one", per head, dtype[, rotated])
     "kv fp8 (engine, headroom 4)": (True, True, 4.0, False, torch.float8_e4m3fn),
+    "kv fp8, K and V rotated (Hadamard over head_dim)": (True, True, 4.0, False, torch.float8_e4m3fn, True),
+    "kv fp8, K rotated": (True, False, 4.0, False, torch.float8_e4m3fn, True),
     "kv fp8, K only": (True, False, 4.0, False, torch.float8_e4m3fn),
     "kv fp8, V only": (False, True, 4.0, False, torch.float8_e4m3fn),
     "kv fp8, headroom 1 (vLLM calc_kv_scales)": (True, True, 1.0, False, torch.float8_e4m3fn),
@@ -129,8 +155,11 @@ def main(argv=None) -> int:
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_scales=None):  # noqa: ARG001 (float cache)
         if kv_mode:
-            qk, qv, headroom, per_head, dt = kv_mode["spec"]
+            qk, qv, headroom, per_head, dt, *rot = kv_mode["spec"]
             fmax = torch.finfo(dt).max
+            h = _hadamard(k.shape[-1]) if rot else None
+            if rot:  # what is stored is x @ H^T; attention then uses q @ H^T (equal dot products)
+                k, v = k @ h.T, v @ h.T
             if k_cache.data_ptr() not in layer_scales:  # calibrated on the first prefill, as the engine does
                 dims = (0, 2) if per_head else (0, 1, 2)
                 layer_scales[k_cache.data_ptr()] = tuple(
@@ -141,6 +170,8 @@ def main(argv=None) -> int:
                 k = kv_quant.dequantize(kv_quant.quantize(k, ks, dt), ks, k.dtype)
             if qv:
                 v = kv_quant.dequantize(kv_quant.quantize(v, vs, dt), vs, v.dtype)
+            if rot:
+                k, v = k @ h, v @ h
         return plain_forward(self, q, k, v, k_cache, v_cache, meta, scale, None)
 
     torch_ref.TorchAttentionBackend.forward = forward
@@ -163,7 +194,8 @@ def main(argv=None) -> int:
         if kind == "w":
             fn, only = spec
             for n, m in linears:
-                m.weight.data.copy_(fn(original[n]) if only is None or n.endswith(only) else original[n])
+                f = fn if callable(fn) else next(g for suffix, g in fn.items() if n.endswith(suffix))
+                m.weight.data.copy_(f(original[n]) if only is None or n.endswith(only) else original[n])
         else:
             kv_mode["spec"] = spec
         scores = score()

@@ -34,6 +34,40 @@ import torch
 from _common import write_json
 
 
+def matmul_ceiling(cfg, prompt_tokens: int, num_prompts: int, output_len: int, rows: int = 512) -> dict:
+    """Issue 16's ceiling: the workload's weight-matmul FLOPs at this machine's float32 matmul rate.
+
+    FLOPs = 2 × (prompt tokens × decoder-layer weights + forwards that sample × (layer weights + lm_head));
+    each prompt's first output token comes from its prefill's last position, so decoding adds
+    ``output_len - 1`` forwards per prompt. The rate is ``torch.mm`` on this process's threads over the
+    model's projection shapes with ``rows`` rows (median of 7 each; the layer shapes weighted by their FLOPs):
+    the best a forward made only of these matmuls could do. Returns tflop, gflop_per_s, seconds, tok_per_s."""
+    h, kvd = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    qd = cfg.num_attention_heads * cfg.head_dim
+    layer = [(h, qd + 2 * kvd), (qd, h), (h, 2 * cfg.intermediate_size), (cfg.intermediate_size, h)]
+    layer_params = cfg.num_hidden_layers * sum(k * n for k, n in layer)
+    head_params = h * cfg.vocab_size
+    sampled = num_prompts * output_len
+    flops = 2 * (prompt_tokens * layer_params + (sampled - num_prompts) * layer_params + sampled * head_params)
+
+    def seconds_per_flop(k: int, n: int) -> float:
+        a, b = torch.randn(rows, k), torch.randn(k, n)
+        for _ in range(2):
+            a @ b
+        ts = []
+        for _ in range(7):
+            t = time.perf_counter()
+            a @ b
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) / (2 * rows * k * n)
+
+    layer_s = sum(seconds_per_flop(k, n) * k * n for k, n in layer) / sum(k * n for k, n in layer)
+    head_s = seconds_per_flop(h, cfg.vocab_size)
+    seconds = (flops - 2 * sampled * head_params) * layer_s + 2 * sampled * head_params * head_s
+    return {"tflop": flops / 1e12, "gflop_per_s": flops / seconds / 1e9, "seconds": seconds,
+            "tok_per_s": sampled / seconds, "rows": rows}
+
+
 def make_prompts(n: int, min_len: int, max_len: int, vocab_lo: int = 100, vocab_hi: int = 49000, seed: int = 0):
     rng = random.Random(seed)
     return [[rng.randrange(vocab_lo, vocab_hi) for _ in range(rng.randint(min_len, max_len))] for _ in range(n)]
@@ -195,11 +229,14 @@ def main(argv=None) -> int:
     head = args.variants[0]
     kv = res[f"kvfleet_{head}"]
     res["headline_variant"] = head
-    # issue 16's ceiling for the peer workload: ~1.3 TFLOP of weight matmuls at this machine's measured
-    # 138-152 GFLOP/s float32 = 8.7 s = 235 output tok/s (only meaningful for the default workload)
-    res["fraction_of_235_tok_s_ceiling"] = kv["median_tok_per_s"] / 235.0
-    print(f"kvfleet {head} median {kv['median_tok_per_s']:.1f} tok/s = {res['fraction_of_235_tok_s_ceiling']:.0%} "
-          "of the 235 tok/s ceiling (peer workload)")
+    ceiling = matmul_ceiling(engines[head][0].engine.model.config, res["workload"]["prompt_tokens"],
+                             args.num_prompts, args.output_len)
+    res["matmul_ceiling"] = ceiling
+    res["fraction_of_ceiling"] = kv["median_tok_per_s"] / ceiling["tok_per_s"]
+    print(f"kvfleet {head} median {kv['median_tok_per_s']:.1f} tok/s = {res['fraction_of_ceiling']:.0%} of this "
+          f"machine's matmul ceiling ({ceiling['tflop']:.2f} TFLOP of weight matmuls at "
+          f"{ceiling['gflop_per_s']:.0f} GFLOP/s float32 = {ceiling['seconds']:.1f} s = "
+          f"{ceiling['tok_per_s']:.0f} tok/s)")
     for name in args.variants[1:]:
         other = res[f"kvfleet_{name}"]["median_tok_per_s"]
         res[f"{head}_over_{name}"] = kv["median_tok_per_s"] / other

@@ -4,7 +4,7 @@
   tokens == eager tokens, and serving many batch sizes compiles nothing after the start-up warm-up;
 - the tiny random Llama under a random mixed batch (shared prefixes → prefix-cache hits, a small pool →
   preemption, chunked prefill, greedy and seeded sampling, n > 1): compiled == eager request by request;
-- the quantized linears (int8, int4) compile too: compiled == eager.
+- the quantized linears (int8, int4) and the FP8 KV cache's rotation compile too: compiled == eager.
 
 On the CPU engines run eagerly by default (compilation level 0); these tests ask for level 3
 while they build their compiled engines. Each compiled engine is built once per module.
@@ -93,10 +93,12 @@ def test_compiled_engine_equals_eager_on_mixed_batch_with_prefix_hits_and_preemp
         assert [c.token_ids for c in got[rid].outputs] == [c.token_ids for c in want[rid].outputs], rid
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_linears_compile(tiny_llama_dir, quantization):
+@pytest.mark.parametrize("quantization, kv_cache_dtype", [("int8", "auto"), ("int4", "auto"), (None, "fp8")])
+def test_quantized_linears_compile(tiny_llama_dir, quantization, kv_cache_dtype):
+    """int8 / int4 linears and the FP8 KV cache's Hadamard rotation compile: compiled == eager, and the
+    start-up warm-up traced the graphs serving uses (no recompile)."""
     kw = dict(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory_bytes=4 << 20,
-              quantization=quantization)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     prompts = [[5, 6, 7, 8, 9], list(range(200, 231)), [42] * 3]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -107,7 +109,9 @@ def test_quantized_linears_compile(tiny_llama_dir, quantization):
 
     compiled = _compiled(lambda: LLMEngine(EngineConfig(compilation_config=O3, **kw)))
     assert compiled.model.compiled
+    graphs = _unique_graphs()
     got = generate(compiled)
+    assert _unique_graphs() == graphs, "a batch size recompiled after the warm-up"
     assert got == generate(LLMEngine(EngineConfig(enforce_eager=True, **kw)))
 
 
@@ -130,7 +134,9 @@ def test_tensor_parallel_linears_compile(tiny_llama_dir):
 
     compiled = _compiled(lambda: LLMEngine(EngineConfig(compilation_config=O3, **kw)))
     assert compiled.model.compiled
+    graphs = _unique_graphs()
     got = generate(compiled)
+    assert _unique_graphs() == graphs, "a batch size recompiled after the warm-up"
     assert got == generate(LLMEngine(EngineConfig(enforce_eager=True, **kw)))
 
 

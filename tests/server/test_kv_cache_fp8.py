@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvfleet_server import SamplingParams
-from kvfleet_server.attention.kv_quant import HEADROOM
+from kvfleet_server.attention.kv_quant import HEADROOM, hadamard
 
 from engine_helpers import assert_all_blocks_free, run_to_completion
 
@@ -106,6 +106,38 @@ def test_greedy_close_to_model_dtype_cache(tiny_engine_factory):
     assert sum(a[0] == b[0] for a, b in zip(got, ref)) >= 3
 
 
+def _prompt_logprobs(eng, prompt):
+    eng.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    out = run_to_completion(eng)["p"]
+    return torch.tensor([next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]])
+
+
+def test_hadamard_rotation_changes_nothing_on_a_float_cache(tiny_engine_factory):
+    """q, k, v and the attention output rotated by H (its own inverse): the same log-probs as unrotated,
+    through prefill and decode (a missing or wrong back-rotation changes them by far more)."""
+    r = hadamard(16, torch.float64)
+    assert torch.allclose(r @ r, torch.eye(16, dtype=torch.float64)) and torch.equal(r, r.T)
+    assert hadamard(48, torch.float32) is None
+    plain = tiny_engine_factory()
+    assert all(layer.kv_rotation is None for layer in plain.model.layers), "no rotation without an fp8 cache"
+    ref_lp, ref_tok = _prompt_logprobs(plain, PROMPTS[3]), _greedy(plain, PROMPTS, 8)
+    rotated = tiny_engine_factory()
+    hd = rotated.model.config.head_dim
+    rotated.model.set_kv_rotation(hadamard(hd, torch.float32), range(rotated.model.config.num_hidden_layers))
+    assert torch.allclose(_prompt_logprobs(rotated, PROMPTS[3]), ref_lp, atol=1e-4)
+    assert _greedy(rotated, PROMPTS, 8) == ref_tok
+    rotated.model.layers[0].kv_rotation = hadamard(hd, torch.float32)[torch.randperm(hd)]  # not symmetric
+    assert not torch.allclose(_prompt_logprobs(rotated, PROMPTS[3]), ref_lp, atol=1e-2)
+
+
+def test_fp8_cache_rotates_layers_with_engine_scales(tiny_engine_factory, caplog):
+    with caplog.at_level(logging.INFO, logger="kvfleet.engine"):
+        eng = tiny_engine_factory(kv_cache_dtype="fp8")
+    hd = eng.model.config.head_dim
+    assert all(torch.equal(layer.kv_rotation, hadamard(hd, torch.float32)) for layer in eng.model.layers)
+    assert any(f"rotated by a {hd}x{hd} Hadamard matrix" in r.getMessage() for r in caplog.records)
+
+
 def test_scales_from_the_checkpoint(tiny_llama_dir, tmp_path, caplog):
     from safetensors.torch import save_file
 
@@ -121,6 +153,8 @@ def test_scales_from_the_checkpoint(tiny_llama_dir, tmp_path, caplog):
                                      kv_cache_dtype="fp8"))
     assert torch.allclose(eng.runner.kv_caches[1][2], torch.tensor([0.02, 0.04]))
     assert any("scales of 2 layers from the checkpoint" in r.getMessage() for r in caplog.records)
+    # those scales were calibrated on the plain K/V: no rotation
+    assert all(layer.kv_rotation is None for layer in eng.model.layers)
     _greedy(eng, PROMPTS[:1], 2)
     assert torch.allclose(eng.runner.kv_caches[1][2], torch.tensor([0.02, 0.04])), "checkpoint scales are kept"
 

@@ -68,11 +68,9 @@ CASES = {
     "fp8": ("float", dict(quantization="fp8"), 0.04, (218e6, 223e6)),
     "int8": ("float", dict(quantization="int8"), 0.01, (160e6, 166e6)),  # bfloat16 embedding + 1 B/weight
     "int4": ("float", dict(quantization="int4"), 0.05, (110e6, 125e6)),
-    # the issue's +1% is missed (see above). Measured on these 2 windows: +1.8% with F.linear, +2.4% with
-    # prepacked linears, +2.7% with prepacked linears and the fused CPU layer ops (the default); on 4 other
-    # windows +1.1%, +1.5%, +0.8%: float32-rounding-level changes in the layers move which values e4m3
-    # rounds up or down, so the bound leaves room for that spread
-    "kv-fp8": ("float", dict(dtype="float32", kv_cache_dtype="fp8"), 0.03, (4 * N_PARAMS, 4 * N_PARAMS)),
+    # the issue's +1%: measured +0.61% on these 2 windows (+0.39% on 4 x 1024) with K and V in the
+    # Hadamard basis; +2.7% without it (float32-level changes in the layers moved that by +-0.5)
+    "kv-fp8": ("float", dict(dtype="float32", kv_cache_dtype="fp8"), 0.01, (4 * N_PARAMS, 4 * N_PARAMS)),
     "gguf": ("gguf", dict(), 0.01, (90e6, 100e6)),  # the default for the .gguf: packed, bfloat16
 }
 

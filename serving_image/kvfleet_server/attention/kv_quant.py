@@ -9,6 +9,15 @@ preemption) always decode with the scale they were written with. Later values be
 saturate at ±max.
 
 Per layer the scales live in a float32 tensor [2] = (k_scale, v_scale); 0 means "not calibrated yet".
+
+Rotation (``hadamard``): with engine-calibrated scales, each layer's q, k (after RoPE) and v enter the
+attention backend multiplied by an orthonormal Hadamard matrix H over head_dim, and its output is
+multiplied by H again (H = Hᵀ = H⁻¹): q·k and the attention-weighted sum of v are unchanged in exact
+arithmetic, but the few large channels of K (RoPE's low frequencies) are spread over all of head_dim
+before e4m3 rounds them, so the rounding errors of a score no longer add up in the channels that
+dominate it (QuaRot, Ashkboos et al. 2024, rotates K and Q so). Measured on SmolLM2-135M
+(docs/quantization.md): perplexity +0.65% against +1.51% without it. Layers whose scales come from a
+checkpoint are not rotated (those scales were calibrated on the plain K/V).
 """
 
 from __future__ import annotations
@@ -32,6 +41,17 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def hadamard(n: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor | None:
+    """The orthonormal Sylvester-Hadamard matrix [n, n] (symmetric, its own inverse) in ``dtype``, or None
+    when ``n`` is not a power of 2 (no Sylvester construction; the cache is then not rotated)."""
+    if n < 1 or n & (n - 1):
+        return None
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).to(dtype=dtype, device=device)
 
 
 def calibrate(scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: torch.dtype) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
-from ..attention.kv_quant import HEADROOM, is_fp8
+from ..attention.kv_quant import HEADROOM, hadamard, is_fp8
 from ..engine.scheduler import ScheduledSeq
 from .distributed import TPGroup
 
@@ -150,6 +150,16 @@ class ModelRunner:
         self.kv_caches = [(kv[2 * i], kv[2 * i + 1], scales(i)) for i in range(cfg.num_hidden_layers)]
         if is_fp8(kv_dtype) and ckpt_scales:
             logger.info("KV cache %s: k/v scales of %d layers from the checkpoint", kv_dtype, len(ckpt_scales))
+        # an FP8 cache with the engine's own scales stores K and V in a Hadamard basis (kv_quant.py)
+        rotation = hadamard(cfg.head_dim, dtype, self.device) if is_fp8(kv_dtype) else None
+        rotated = [i for i in range(cfg.num_hidden_layers) if i not in ckpt_scales]
+        model.set_kv_rotation(rotation, rotated)
+        if rotation is not None and rotated:
+            logger.info("KV cache %s: q, k, v rotated by a %dx%d Hadamard matrix in %d layers before the cache "
+                        "rounds them (QuaRot)", kv_dtype, cfg.head_dim, cfg.head_dim, len(rotated))
+        elif is_fp8(kv_dtype) and rotated:
+            logger.info("KV cache %s: head_dim %d is not a power of 2: K and V are not rotated", kv_dtype,
+                        cfg.head_dim)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst := block src in every layer's K and V."""

@@ -57,6 +57,9 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
+        #: FP8 KV cache: the Hadamard matrix [head_dim, head_dim] q, k, v and the attention output are
+        #: rotated by (``attention/kv_quant.py``; set by ``LlamaForCausalLM.set_kv_rotation``), else None
+        self.kv_rotation: torch.Tensor | None = None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         pre = f"layers.{layer_idx}."
@@ -98,6 +101,9 @@ def layer_pre_attention(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor,
     q, k = ops.rope(q.view(T, layer.num_heads, layer.head_dim), k.view(T, layer.num_kv_heads, layer.head_dim),
                     cos, sin)
     v = v.reshape(T, layer.num_kv_heads, layer.head_dim)
+    if layer.kv_rotation is not None:  # FP8 KV cache: q·k and the weighted sum of v are unchanged
+        r = layer.kv_rotation
+        q, k, v = q @ r, k @ r, v @ r
     return q, k, v
 
 
@@ -105,6 +111,8 @@ def layer_post_attention(layer: DecoderLayer, h: torch.Tensor, attn: torch.Tenso
     """Residual h [T, hidden] and attention output [T, heads, head_dim] → next residual [T, hidden]:
     o_proj + residual → RMSNorm → SwiGLU MLP + residual of one layer."""
     ops, norm = layer.ops, layer.post_attention_layernorm
+    if layer.kv_rotation is not None:  # back from the rotated basis of v (the matrix is its own inverse)
+        attn = attn @ layer.kv_rotation
     x, h = ops.add_rms_norm(layer.o_proj(attn.reshape(h.shape[0], layer.q_size)), h, norm.weight, norm.eps)
     return h + layer.down_proj(ops.silu_and_mul(layer.gate_up_proj(x)))
 
@@ -140,6 +148,15 @@ class LlamaForCausalLM(nn.Module):
         self.pieces = (layer_pre_attention, layer_post_attention)
         self.compiled = False
         self.layer_ops = TORCH_OPS  # see DecoderLayer.ops
+
+    def set_kv_rotation(self, rotation: torch.Tensor | None, layers) -> None:
+        """Rotate q, k, v and the attention output of the decoder layers numbered in ``layers`` by
+        ``rotation`` ([head_dim, head_dim], orthonormal and symmetric: ``kv_quant.hadamard``), the others
+        not; None rotates none. For an FP8 KV cache (see ``attention/kv_quant.py``); in exact arithmetic
+        the layers compute the same."""
+        chosen = set(layers) if rotation is not None else set()
+        for i, layer in enumerate(self.layers):
+            layer.kv_rotation = rotation if i in chosen else None
 
     def init_rope(self, max_positions: int, device=None) -> None:
         """(Re)build the float32 cos/sin tables for positions [0, max_positions) on ``device``.
