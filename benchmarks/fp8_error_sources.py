@@ -5,15 +5,20 @@ FP8, and with other scale choices than the engine's.
 One float32 engine is loaded once; each variant rounds the weights in place (or K/V as the attention
 backend receives them) and rescores the same windows with the prefix cache emptied. The rounding is
 the engine's own (``quantize_per_channel_fp8``; ``kv_quant.calibrate/quantize/dequantize``), so the
-"weights" and "kv" rows give the same perplexity as ``--quantization fp8`` and ``--kv-cache-dtype fp8``
-(checked: 20.6044 and 20.3716 on 2 × 256 both ways). The other rows are diagnostics, not engine modes:
+"weights fp8 (engine)" and "kv fp8 (engine: ...)" rows compute what ``--quantization fp8`` and
+``--kv-cache-dtype fp8`` do (the engine's own figures differ in the last digits: its CPU kernels round
+float32 differently from the torch backend used here). The other rows are diagnostics, not engine modes:
 
 - weights: all projections (the engine), one projection kind at a time, an MSE-optimal per-channel
   scale (searched over 0.7–1.2 × absmax/448), one scale per tensor, one per 32-wide group, int8
   per-channel (the int8 method's rounding, kept in float32 activations), bfloat16 rounding;
-- KV cache: K and V (the engine, headroom 4), K only, V only, headroom 1 (vLLM's ``calc_kv_scales``:
-  absmax / fp8 max) and 16, scale 1.0 (vLLM's default without checkpoint scales), one scale per KV head,
-  e5m2.
+- weights, continued: every linear's input rotated by 64-wide Hadamard blocks (W·Hᵀ rounded), only
+  down_proj's / o_proj's, and GPTQ's error-compensating rounding onto the engine's grid, calibrated on
+  stdlib module docstrings;
+- KV cache: q, k, v in the Hadamard basis over head_dim (the engine since the rotation), only K
+  rotated with V kept float; plain K and V (the engine before, headroom 4), K only, V only, headroom 1 (vLLM's
+  ``calc_kv_scales``: absmax / fp8 max) and 16, scale 1.0 (vLLM's default without checkpoint scales), one
+  scale per KV head, e5m2 (all plain).
 
     python benchmarks/fp8_error_sources.py --windows 2 --window-len 256
 """
@@ -60,11 +65,9 @@ def _fp8_group32(w):
 
 
 def _hadamard(n: int) -> torch.Tensor:
-    """The orthonormal Sylvester Hadamard matrix of size n (a power of 2)."""
-    h = torch.ones(1, 1)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h / n ** 0.5
+    from kvfleet_server.attention.kv_quant import hadamard
+
+    return hadamard(n, torch.float32)
 
 
 def _rotated(fn, block: int):
@@ -76,6 +79,47 @@ def _rotated(fn, block: int):
         wr = (w.view(n, k // block, block) @ h.T).view(n, k)
         return (fn(wr).view(n, k // block, block) @ h).view(n, k)
     return run
+
+
+#: calibration text for the GPTQ rows: stdlib module docstrings (not the evaluation text, pydoc_data.topics)
+CALIBRATION_MODULES = ("argparse", "asyncio", "collections", "csv", "dataclasses", "datetime", "decimal",
+                       "functools", "http.client", "itertools", "json", "logging", "pathlib", "random", "re",
+                       "sqlite3", "statistics", "string", "subprocess", "textwrap", "threading", "typing",
+                       "unittest", "urllib.request", "zipfile", "tarfile", "shutil", "pickle", "heapq")
+
+
+def calibration_text() -> str:
+    import importlib
+
+    return "\n\n".join(d for m in CALIBRATION_MODULES if (d := importlib.import_module(m).__doc__))
+
+
+def _gptq_fp8(w: torch.Tensor, hessian: torch.Tensor, block: int = 128, damp: float = 0.01) -> torch.Tensor:
+    """GPTQ's error-compensating rounding (Frantar et al. 2023) onto the engine's grid: e4m3 with one
+    scale per output row (absmax / 448 of the original row). Columns are rounded in order; each rounding
+    error is spread over the columns not yet rounded, weighted by the inverse of the inputs' second
+    moments ``hessian`` [K, K] (Σ xᵀx over calibration tokens)."""
+    W = w.double().clone()
+    n, k = W.shape
+    s = W.abs().amax(1).clamp(min=1e-12) / 448
+    H = hessian.double().clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    H += damp * torch.diag(H).mean() * torch.eye(k, dtype=H.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.zeros_like(W)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1, E1, h1 = W[:, i1:i2].clone(), torch.zeros(n, i2 - i1, dtype=W.dtype), hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            q = (W1[:, i] / s).clamp(-448, 448).float().to(F8).double() * s
+            Q[:, i1 + i] = q
+            err = (W1[:, i] - q) / h1[i, i]
+            W1[:, i:] -= err[:, None] * h1[i, i:][None, :]
+            E1[:, i] = err
+        W[:, i2:] -= E1 @ hinv[i1:i2, i2:]
+    return Q.float()
 
 
 def _int8_channel(w):
@@ -104,13 +148,15 @@ WEIGHT_VARIANTS = {  # name: (rounding or {name suffix: rounding}, projections i
         {"down_proj": _rotated(_engine_fp8, 64), "": _engine_fp8}, None),
     "weights fp8, down_proj's and o_proj's inputs rotated": (
         {"down_proj": _rotated(_engine_fp8, 64), "o_proj": _rotated(_engine_fp8, 64), "": _engine_fp8}, None),
+    "weights fp8, GPTQ rounding (calibrated on stdlib docstrings)": ("gptq", None),
     "weights int8 per channel (float32 activations)": (_int8_channel, None),
     "weights bfloat16": (lambda w: w.to(torch.bfloat16).float(), None),
 }
 KV_VARIANTS = {  # name: (quantize K, quantize V, headroom or "one", per head, dtype[, rotated])
-    "kv fp8 (engine, headroom 4)": (True, True, 4.0, False, torch.float8_e4m3fn),
-    "kv fp8, K and V rotated (Hadamard over head_dim)": (True, True, 4.0, False, torch.float8_e4m3fn, True),
-    "kv fp8, K rotated": (True, False, 4.0, False, torch.float8_e4m3fn, True),
+    "kv fp8 (engine: q, k, v rotated by a Hadamard over head_dim)": (True, True, 4.0, False,
+                                                                      torch.float8_e4m3fn, True),
+    "kv fp8, K only, rotated": (True, False, 4.0, False, torch.float8_e4m3fn, True),
+    "kv fp8, plain K/V (the engine before the rotation, headroom 4)": (True, True, 4.0, False, torch.float8_e4m3fn),
     "kv fp8, K only": (True, False, 4.0, False, torch.float8_e4m3fn),
     "kv fp8, V only": (False, True, 4.0, False, torch.float8_e4m3fn),
     "kv fp8, headroom 1 (vLLM calc_kv_scales)": (True, True, 1.0, False, torch.float8_e4m3fn),
@@ -176,6 +222,25 @@ def main(argv=None) -> int:
 
     torch_ref.TorchAttentionBackend.forward = forward
 
+    def tokenizer_ids(text):
+        return Tokenizer.from_path(args.float_dir, []).encode(text, add_special_tokens=False)
+
+    def gptq_rounding(llm, linears, original, calib_ids):
+        """Σ xᵀx of every linear's inputs over the calibration windows (float weights), then a
+        {name: rounding} that rounds each linear with GPTQ."""
+        hess, hooks = {}, []
+        for n, m in linears:
+            m.weight.data.copy_(original[n])
+
+            def hook(mod, inputs, n=n):
+                x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+                hess[n] = hess.get(n, 0) + x.T @ x
+            hooks.append(m.register_forward_pre_hook(hook))
+        score_windows(llm, fixed_windows(calib_ids, 512, min(4, len(calib_ids) // 512)))
+        for h in hooks:
+            h.remove()
+        return {n: (lambda w, n=n: _gptq_fp8(w, hess[n])) for n, _ in linears}
+
     def score():
         layer_scales.clear()
         llm.engine.kv.pool.reset_prefix_cache()
@@ -193,6 +258,8 @@ def main(argv=None) -> int:
             continue
         if kind == "w":
             fn, only = spec
+            if fn == "gptq":
+                fn = gptq_rounding(llm, linears, original, tokenizer_ids(calibration_text()))
             for n, m in linears:
                 f = fn if callable(fn) else next(g for suffix, g in fn.items() if n.endswith(suffix))
                 m.weight.data.copy_(f(original[n]) if only is None or n.endswith(only) else original[n])
