@@ -159,6 +159,26 @@ def test_scales_from_the_checkpoint(tiny_llama_dir, tmp_path, caplog):
     assert torch.allclose(eng.runner.kv_caches[1][2], torch.tensor([0.02, 0.04])), "checkpoint scales are kept"
 
 
+def test_scales_for_some_layers_rotate_only_the_others(tiny_llama_dir, tmp_path):
+    """Layer 1's scales come from the checkpoint (plain K/V), layer 0 calibrates and rotates; layer 1 gets
+    the identity, so both layers run the same code (one compiled graph)."""
+    from safetensors.torch import save_file
+
+    from kvfleet_server import EngineConfig, LLMEngine
+
+    d = tmp_path / "layer1_scales"
+    shutil.copytree(tiny_llama_dir, d)
+    save_file({f"model.layers.1.self_attn.{n}_scale": torch.tensor(0.05) for n in ("k", "v")},
+              str(d / "kv_scales.safetensors"))
+    eng = LLMEngine(EngineConfig(model=str(d), dtype="float32", device="cpu", kv_cache_memory_bytes=BYTES,
+                                 kv_cache_dtype="fp8"))
+    hd = eng.model.config.head_dim
+    l0, l1 = (layer.kv_rotation for layer in eng.model.layers)
+    assert torch.equal(l0, hadamard(hd, torch.float32)) and torch.equal(l1, torch.eye(hd))
+    _greedy(eng, PROMPTS[:2], 3)
+    assert torch.allclose(eng.runner.kv_caches[1][2], torch.tensor([0.05, 0.05]))
+
+
 def test_already_quantized_checkpoint_is_refused_by_name(tiny_llama_dir, tmp_path):
     from kvfleet_server import EngineConfig, LLMEngine
     from kvfleet_server.errors import UnsupportedFeatureError

@@ -152,11 +152,15 @@ class LlamaForCausalLM(nn.Module):
     def set_kv_rotation(self, rotation: torch.Tensor | None, layers) -> None:
         """Rotate q, k, v and the attention output of the decoder layers numbered in ``layers`` by
         ``rotation`` ([head_dim, head_dim], orthonormal and symmetric: ``kv_quant.hadamard``), the others
-        not; None rotates none. For an FP8 KV cache (see ``attention/kv_quant.py``); in exact arithmetic
-        the layers compute the same."""
+        by the identity matrix (so that every layer runs the same code: one compiled graph per piece, no
+        recompile at the first unrotated layer); no layer or None rotates none. For an FP8 KV cache (see
+        ``attention/kv_quant.py``); in exact arithmetic the layers compute the same."""
         chosen = set(layers) if rotation is not None else set()
+        identity = None
+        if 0 < len(chosen) < len(self.layers):
+            identity = torch.eye(rotation.shape[0], dtype=rotation.dtype, device=rotation.device)
         for i, layer in enumerate(self.layers):
-            layer.kv_rotation = rotation if i in chosen else None
+            layer.kv_rotation = rotation if i in chosen else identity
 
     def init_rope(self, max_positions: int, device=None) -> None:
         """(Re)build the float32 cos/sin tables for positions [0, max_positions) on ``device``.
