@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvfleet_server import SamplingParams
-from kvfleet_server.attention.kv_quant import HEADROOM, hadamard
+from kvfleet_server.attention.kv_quant import HEADROOM, hadamard, rotate
 
 from engine_helpers import assert_all_blocks_free, run_to_completion
 
@@ -118,6 +118,11 @@ def test_hadamard_rotation_changes_nothing_on_a_float_cache(tiny_engine_factory)
     r = hadamard(16, torch.float64)
     assert torch.allclose(r @ r, torch.eye(16, dtype=torch.float64)) and torch.equal(r, r.T)
     assert hadamard(48, torch.float32) is None
+    # bfloat16 activations are rotated in float32: no systematic scale where ±1/√n is inexact (n = 128)
+    x = torch.randn(4096, 128).to(torch.bfloat16)
+    h128 = hadamard(128, torch.float32)
+    back = rotate(rotate(x, h128), h128)
+    assert back.dtype == torch.bfloat16 and abs(float((back.float() * x.float()).sum() / x.float().pow(2).sum()) - 1) < 2e-5
     plain = tiny_engine_factory()
     assert all(layer.kv_rotation is None for layer in plain.model.layers), "no rotation without an fp8 cache"
     ref_lp, ref_tok = _prompt_logprobs(plain, PROMPTS[3]), _greedy(plain, PROMPTS, 8)
@@ -135,6 +140,9 @@ def test_fp8_cache_rotates_layers_with_engine_scales(tiny_engine_factory, caplog
         eng = tiny_engine_factory(kv_cache_dtype="fp8")
     hd = eng.model.config.head_dim
     assert all(torch.equal(layer.kv_rotation, hadamard(hd, torch.float32)) for layer in eng.model.layers)
+    bf16 = tiny_engine_factory(kv_cache_dtype="fp8", dtype="bfloat16")
+    assert bf16.model.layers[0].kv_rotation.dtype == torch.float32  # see kv_quant.rotate
+    _greedy(bf16, PROMPTS[:2], 3)
     assert any(f"rotated by a {hd}x{hd} Hadamard matrix" in r.getMessage() for r in caplog.records)
 
 

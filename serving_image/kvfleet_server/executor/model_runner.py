@@ -151,7 +151,7 @@ class ModelRunner:
         if is_fp8(kv_dtype) and ckpt_scales:
             logger.info("KV cache %s: k/v scales of %d layers from the checkpoint", kv_dtype, len(ckpt_scales))
         # an FP8 cache with the engine's own scales stores K and V in a Hadamard basis (kv_quant.py)
-        rotation = hadamard(cfg.head_dim, dtype, self.device) if is_fp8(kv_dtype) else None
+        rotation = hadamard(cfg.head_dim, torch.float32, self.device) if is_fp8(kv_dtype) else None
         rotated = [i for i in range(cfg.num_hidden_layers) if i not in ckpt_scales]
         model.set_kv_rotation(rotation, rotated)
         if rotation is not None and rotated:

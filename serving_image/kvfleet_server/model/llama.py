@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
+from ..attention.kv_quant import rotate
 from ..executor.distributed import TPGroup
 from .config import ModelConfig
 from .layers.embedding import VocabEmbedding, gather_logits
@@ -57,7 +58,7 @@ class DecoderLayer(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
-        #: FP8 KV cache: the Hadamard matrix [head_dim, head_dim] q, k, v and the attention output are
+        #: FP8 KV cache: the float32 Hadamard matrix [head_dim, head_dim] q, k, v and the attention output are
         #: rotated by (``attention/kv_quant.py``; set by ``LlamaForCausalLM.set_kv_rotation``), else None
         self.kv_rotation: torch.Tensor | None = None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -103,7 +104,7 @@ def layer_pre_attention(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor,
     v = v.reshape(T, layer.num_kv_heads, layer.head_dim)
     if layer.kv_rotation is not None:  # FP8 KV cache: q·k and the weighted sum of v are unchanged
         r = layer.kv_rotation
-        q, k, v = q @ r, k @ r, v @ r
+        q, k, v = rotate(q, r), rotate(k, r), rotate(v, r)
     return q, k, v
 
 
@@ -112,7 +113,7 @@ def layer_post_attention(layer: DecoderLayer, h: torch.Tensor, attn: torch.Tenso
     o_proj + residual → RMSNorm → SwiGLU MLP + residual of one layer."""
     ops, norm = layer.ops, layer.post_attention_layernorm
     if layer.kv_rotation is not None:  # back from the rotated basis of v (the matrix is its own inverse)
-        attn = attn @ layer.kv_rotation
+        attn = rotate(attn, layer.kv_rotation)
     x, h = ops.add_rms_norm(layer.o_proj(attn.reshape(h.shape[0], layer.q_size)), h, norm.weight, norm.eps)
     return h + layer.down_proj(ops.silu_and_mul(layer.gate_up_proj(x)))
 
