@@ -58,9 +58,9 @@ def hadamard(n: int, dtype: torch.dtype, device: torch.device | str | None = Non
 
 def rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """x [..., head_dim] @ r [head_dim, head_dim] in x's dtype. ``r`` is float32 (``hadamard``'s entries
-    ±1/√n are not exact in bfloat16 or float16 when n is not a power of 4: there H·H would be
-    (1 − 2e-4)·I at n = 128, a systematic scale on every score), so a lower-precision x is multiplied
-    in float32 and rounded once."""
+    ±1/√n are not exact in bfloat16 or float16 when n is not a power of 4: at n = 128 a bfloat16 H
+    scaled a round trip x·H·H by a systematic 1 − 7e-5), so a lower-precision x is multiplied in
+    float32 and rounded once."""
     return x @ r if x.dtype == r.dtype else (x.float() @ r).to(x.dtype)
 
 
