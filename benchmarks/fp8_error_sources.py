@@ -64,19 +64,17 @@ def _fp8_group32(w):
     return ((g / s).to(F8).float() * s).view(n, k)
 
 
-def _hadamard(n: int) -> torch.Tensor:
+def _rotated(fn, block: int):
+    """Round ``W @ R^T`` with ``fn`` and rotate back (``R`` block-diagonal Hadamard over the input dimension,
+    symmetric: ``R^T = R``): what a linear computes when its input is rotated online, ``(W R^T)(R x)``
+    (QuaRot's trick)."""
     from kvfleet_server.attention.kv_quant import hadamard
 
-    return hadamard(n, torch.float32)
+    h = hadamard(block, torch.float32)
 
-
-def _rotated(fn, block: int):
-    """Round ``W @ R^T`` with ``fn`` and rotate back (``R`` block-diagonal Hadamard over the input dimension):
-    what a linear computes when its input is rotated online, ``(W R^T)(R x)`` (QuaRot's trick)."""
     def run(w):
         n, k = w.shape
-        h = _hadamard(block)
-        wr = (w.view(n, k // block, block) @ h.T).view(n, k)
+        wr = (w.view(n, k // block, block) @ h).view(n, k)
         return (fn(wr).view(n, k // block, block) @ h).view(n, k)
     return run
 
@@ -186,7 +184,8 @@ def main(argv=None) -> int:
 
     if not os.path.isfile(os.path.join(args.float_dir, "model.safetensors")):
         export_float_checkpoint(bundled_model_path(), args.float_dir)
-    ids = Tokenizer.from_path(args.float_dir, []).encode(reference_text(), add_special_tokens=False)
+    tokenizer = Tokenizer.from_path(args.float_dir, [])
+    ids = tokenizer.encode(reference_text(), add_special_tokens=False)
     windows = fixed_windows(ids, args.window_len, args.windows)
     # the torch attention backend (its forward is patched below) and plain float weights (rewritten below)
     llm = LLM(args.float_dir, device="cpu", dtype="float32", kv_cache_memory_bytes=64 << 20,
@@ -203,9 +202,9 @@ def main(argv=None) -> int:
         if kv_mode:
             qk, qv, headroom, per_head, dt, *rot = kv_mode["spec"]
             fmax = torch.finfo(dt).max
-            h = _hadamard(k.shape[-1]) if rot else None
-            if rot:  # what is stored is x @ H^T; attention then uses q @ H^T (equal dot products)
-                k, v = k @ h.T, v @ h.T
+            h = kv_quant.hadamard(k.shape[-1], torch.float32) if rot else None
+            if rot:  # what is stored is x @ H; attention then uses q @ H (equal dot products)
+                k, v = kv_quant.rotate(k, h), kv_quant.rotate(v, h)
             if k_cache.data_ptr() not in layer_scales:  # calibrated on the first prefill, as the engine does
                 dims = (0, 2) if per_head else (0, 1, 2)
                 layer_scales[k_cache.data_ptr()] = tuple(
@@ -217,13 +216,10 @@ def main(argv=None) -> int:
             if qv:
                 v = kv_quant.dequantize(kv_quant.quantize(v, vs, dt), vs, v.dtype)
             if rot:
-                k, v = k @ h, v @ h
+                k, v = kv_quant.rotate(k, h), kv_quant.rotate(v, h)
         return plain_forward(self, q, k, v, k_cache, v_cache, meta, scale, None)
 
     torch_ref.TorchAttentionBackend.forward = forward
-
-    def tokenizer_ids(text):
-        return Tokenizer.from_path(args.float_dir, []).encode(text, add_special_tokens=False)
 
     def gptq_rounding(llm, linears, original, calib_ids):
         """Σ xᵀx of every linear's inputs over the calibration windows (float weights), then a
@@ -259,7 +255,8 @@ def main(argv=None) -> int:
         if kind == "w":
             fn, only = spec
             if fn == "gptq":
-                fn = gptq_rounding(llm, linears, original, tokenizer_ids(calibration_text()))
+                fn = gptq_rounding(llm, linears, original,
+                                   tokenizer.encode(calibration_text(), add_special_tokens=False))
             for n, m in linears:
                 f = fn if callable(fn) else next(g for suffix, g in fn.items() if n.endswith(suffix))
                 m.weight.data.copy_(f(original[n]) if only is None or n.endswith(only) else original[n])
