@@ -5,15 +5,16 @@ speculation, side by side in one run, per method, at concurrency 1 and 8, on two
   the Python reference manual from the stdlib's ``pydoc_data.topics``, present on every machine);
 - open-ended: short stories and explanations (little to copy).
 
-Greedy decoding (the outputs with and without speculation are compared token for token). For each row
+Greedy decoding until EOS or ``--max-tokens`` (the outputs with and without speculation are compared token
+for token), prompts in the model's own chat template (SmolLM2 adds its system prompt). For each row
 the plain and the speculative engine run alternately ``--reps`` times on the same prompts (prefix cache
 reset before each run, so both pay the same prefills); the table reports the median tokens/s of each,
 their ratio (and the ratio of decode-only tokens/s: steps that computed no prompt token), the mean
 acceptance length (tokens emitted per verification, bonus token included) and the
 draft acceptance rate. JSON goes to benchmarks/results/spec_decode.json.
 
-    python benchmarks/spec_decode.py                   # every method, 3 reps, 64 output tokens
-    python benchmarks/spec_decode.py --quick           # 1 rep, 32 output tokens
+    python benchmarks/spec_decode.py                   # every method, 3 reps, up to 128 output tokens
+    python benchmarks/spec_decode.py --quick           # 1 rep, up to 32 output tokens
     python benchmarks/spec_decode.py --methods ngram --reps 5
 """
 
@@ -28,7 +29,6 @@ import time
 
 import torch
 
-CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 OPEN = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
         "Explain why the sky is blue to a ten-year-old.", "Describe your ideal weekend in the mountains.",
         "Write a poem about autumn leaves.", "What are three tips for learning a new language?",
@@ -43,7 +43,8 @@ GROUNDED = ["Repeat the following text exactly, word for word:\n\n{}",
 # rows (compute-bound), so verifying 1 + k tokens for 8 sequences costs more than the accepted drafts save
 B = 4
 METHODS = {
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
+    # up to 16 drafts: the scheduler verifies as many as the sequence's acceptance pays for (DraftGate)
+    "ngram": {"method": "ngram", "num_speculative_tokens": 16, "prompt_lookup_min": 2, "prompt_lookup_max": 5,
               "disable_by_batch_size": B},
     "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "num_draft_layers": 24,
                    "disable_by_batch_size": B},
@@ -68,10 +69,13 @@ def passages(n: int) -> list[str]:
     return out
 
 
-def workloads() -> dict[str, list[str]]:
-    ps = passages(8)
-    return {"input-grounded": [CHAT.format(GROUNDED[i % 4].format(p)) for i, p in enumerate(ps)],
-            "open-ended": [CHAT.format(q) for q in OPEN]}
+def workloads(tokenizer) -> dict[str, list[str]]:
+    def chat(text: str) -> str:
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+
+    return {"input-grounded": [chat(GROUNDED[i % 4].format(p)) for i, p in enumerate(passages(8))],
+            "open-ended": [chat(q) for q in OPEN]}
 
 
 def random_draft_dir(path: str) -> str:
@@ -99,7 +103,7 @@ def run(eng, prompts: list[str], concurrency: int, max_tokens: int, tag: str):
     from kvfleet_server import SamplingParams
 
     eng.kv.pool.reset_prefix_cache()
-    p = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    p = SamplingParams(temperature=0, max_tokens=max_tokens)
     outs, queue = {}, list(enumerate(prompts))
     drafts = draft_toks = accepted = tokens = 0
     dec_tokens, dec_time = 0, 0.0
@@ -131,10 +135,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--num-prompts-c1", type=int, default=3, help="prompts run one at a time at concurrency 1")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--num-prompts-c1", type=int, default=8, help="prompts run one at a time at concurrency 1")
+    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--break-even-floor", action="store_true",
                     help="pin every method's acceptance cut-off at the 0.3 floor (no cost model): what a method's "
@@ -149,7 +153,7 @@ def main() -> None:
 
     base_kw = dict(dtype="float32", device="cpu", num_threads=args.threads, max_model_len=1024)
     plain = LLMEngine(EngineConfig(**base_kw))
-    wl = workloads()
+    wl = workloads(plain.tokenizer)
     rows = []
     print(f"{'method':<20} {'workload':<15} {'conc':>4} {'plain tok/s':>11} {'spec tok/s':>10} {'ratio':>6} "
           f"{'decode ratio':>12} {'accept len':>10} {'accept %':>8} {'same':>5}")

@@ -168,14 +168,17 @@ class LLMEngine:
         if sc is not None:
             be = break_even_acceptance(self.proposer.draft_cost, self.device)
             cut = max(DraftGate.MIN_ACCEPTANCE, be) if sc.min_acceptance is None else sc.min_acceptance
+            # the draft length weighs each token at the break-even cost (an explicit cut-off below it
+            # lowers it: min_acceptance 0 always verifies k drafts)
+            token_cost = be if sc.min_acceptance is None else min(be, sc.min_acceptance)
             k = sc.num_speculative_tokens if cut < 1 else 0
             logger.log(logging.INFO if k else logging.WARNING,
-                       "speculative decoding: %s, %d tokens; a draft costs %.2f of a decode step, break-even "
+                       "speculative decoding: %s, up to %d tokens; a draft costs %.2f of a decode step, break-even "
                        "acceptance %.2f, cut-off %.2f%s", sc.method, sc.num_speculative_tokens,
                        self.proposer.draft_cost, be, cut,
                        "" if k else " — no acceptance rate pays on this device: speculation is off")
             spec_kw = dict(num_speculative_tokens=k, disable_by_batch_size=sc.disable_by_batch_size,
-                           spec_min_acceptance=cut)
+                           spec_min_acceptance=cut, spec_token_cost=token_cost)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching, max_model_len=max_len, **spec_kw)
         self.requests: dict[str, Request] = {}

@@ -121,27 +121,55 @@ class DraftGate:
     verification pays. A sequence the proposer cannot predict costs almost nothing after a few steps, one
     that starts quoting its prompt is picked up again. The output distribution does not depend on when
     drafts are used (verification is lossless either way).
+
+    Draft length: while open, a sequence verifies the γ ≤ k drafts that maximise the expected speed-up
+    (1 − α^(γ+1)) / ((1 − α)(1 + γ·c)) (Leviathan et al. 2023, §3.3 "optimal γ"), where α is the
+    sequence's per-position acceptance (discounted successes / trials: after a verification of γ drafts
+    with a accepted, a successes and one failure when a < γ; prior 3 of 4) and c = ``token_cost``, the
+    cost of one more draft token relative to a decode step (the break-even above). A verbatim copy
+    (α → 1) grows to k within two verifications; text the drafts miss shrinks to one or two drafts before
+    the cut-off closes. ``token_cost`` 0 keeps γ = k.
     """
 
     MIN_ACCEPTANCE = 0.3
     FIRST_BACKOFF, MAX_BACKOFF = 8, 256
     MAX_INHERITED_BACKOFF = 64
 
-    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, probing: bool = False, backoff: int = FIRST_BACKOFF):
+    #: discount of earlier verifications in the acceptance estimate α, and its prior (successes, failures)
+    DISCOUNT, PRIOR = 0.7, (3.0, 1.0)
+
+    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, probing: bool = False, backoff: int = FIRST_BACKOFF,
+                 token_cost: float = 0.0):
         self.min_acceptance = min_acceptance
         self.ema = min_acceptance  # a first verification that accepts little already cuts off
         self.backoff = backoff
         self.resume_step = 0
         self.probing = probing  # the next verification checks a single draft
+        self.token_cost = token_cost
+        self.successes, self.failures = self.PRIOR
 
     def open(self, step: int) -> bool:
         return step >= self.resume_step
 
+    @property
+    def alpha(self) -> float:
+        """Estimated probability that the next draft is accepted given the previous one was."""
+        return self.successes / (self.successes + self.failures)
+
     def num_drafts(self, k: int) -> int:
-        """Drafts to verify when open: 1 for a probe, else k."""
-        return min(k, 1) if self.probing else k
+        """Drafts to verify when open: 1 for a probe, else the γ in [1, k] of the best expected speed-up."""
+        if self.probing:
+            return min(k, 1)
+        c = self.token_cost
+        if c <= 0:
+            return k
+        a = min(self.alpha, 1 - 1e-6)
+        return max(range(1, k + 1), key=lambda g: (1 - a ** (g + 1)) / ((1 - a) * (1 + g * c)), default=0)
 
     def update(self, step: int, num_drafts: int, num_accepted: int) -> None:
+        d = self.DISCOUNT
+        self.successes = d * self.successes + num_accepted
+        self.failures = d * self.failures + (num_accepted < num_drafts)
         self.ema = 0.5 * self.ema + 0.5 * num_accepted / num_drafts
         if self.ema >= self.min_acceptance:
             if not self.probing:
@@ -235,7 +263,8 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool, partial_block_matching: bool = True,
                  num_speculative_tokens: int = 0, disable_by_batch_size: int | None = None,
-                 max_model_len: int = 1 << 62, spec_min_acceptance: float = DraftGate.MIN_ACCEPTANCE):
+                 max_model_len: int = 1 << 62, spec_min_acceptance: float = DraftGate.MIN_ACCEPTANCE,
+                 spec_token_cost: float = 0.0):
         self.kv = kv
         self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
@@ -249,6 +278,7 @@ class Scheduler:
         self.num_speculative_tokens = num_speculative_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self.spec_min_acceptance = spec_min_acceptance  # the cut-off (DraftGate)
+        self.spec_token_cost = spec_token_cost  # a draft token's cost: the draft length (DraftGate)
         # acceptance rate over every sequence's verifications: a new sequence starts with a one-draft
         # probe while it is below the break-even
         self.spec_acceptance_ema: float | None = None
@@ -286,12 +316,13 @@ class Scheduler:
             ema = 1.0 if self.spec_acceptance_ema is None else self.spec_acceptance_ema
             low = ema < self.spec_min_acceptance
             seq.draft_gate = DraftGate(self.spec_min_acceptance, probing=low,
-                                       backoff=self.spec_backoff if low else DraftGate.FIRST_BACKOFF)
+                                       backoff=self.spec_backoff if low else DraftGate.FIRST_BACKOFF,
+                                       token_cost=self.spec_token_cost)
 
     def _num_drafts(self, seq: Sequence, budget: int) -> int:
-        """Draft tokens a decoding sequence may verify this step: k (1 for a probe), fewer when the
-        ``budget`` left for drafts, its max_tokens or max_model_len leave less room (every accepted draft
-        plus the bonus token must fit). None for prefills — chunked, or a recompute after preemption, even
+        """Draft tokens a decoding sequence may verify this step: its gate's draft length (at most k; 1 for
+        a probe), fewer when the ``budget`` left for drafts, its max_tokens or max_model_len leave less room
+        (every accepted draft plus the bonus token must fit). None for prefills — chunked, or a recompute after preemption, even
         a last chunk of one token before the first sample — for structured output (a grammar row decodes
         without drafts: its mask is defined for one position at a time) and for seeded random sampling
         (whether a step drafts depends on the rest of the batch, and verification draws from the seeded

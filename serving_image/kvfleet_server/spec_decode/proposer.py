@@ -46,10 +46,11 @@ class Drafts:
 
 
 #: extra cost of one more token in the target's verification pass, relative to a 1-token decode step.
-#: CPU: measured on SmolLM2-135M fp32, 1 thread — a 5-token pass costs 1.87x a 1-token one (about 0.2
-#: per extra token: small-M matmuls are not free on a CPU); CUDA: a decode step is bound by reading the
+#: CPU: measured on SmolLM2-135M fp32 — with 2 threads a 5-token pass costs 1.2-1.3x a 1-token one, 9
+#: tokens 1.6x, 17 tokens 2.7x (0.07-0.1 per extra token; 1 thread, 9 tokens: 1.55x): small-M matmuls are
+#: not free on a CPU; CUDA: a decode step is bound by reading the
 #: weights, extra rows are nearly free at small batch (vLLM/SGLang measurements put it at a few percent).
-VERIFY_COST = {"cpu": 0.2, "cuda": 0.05}
+VERIFY_COST = {"cpu": 0.1, "cuda": 0.05}
 
 
 def break_even_acceptance(draft_cost: float, device: str) -> float:
