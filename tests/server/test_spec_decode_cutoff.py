@@ -78,11 +78,11 @@ def test_engine_drafts_grow_to_k_while_every_draft_is_accepted(tiny_engine_facto
 
 
 def test_draft_costs_follow_the_weights_read(tiny_engine_factory):
-    eng = tiny_engine_factory(speculative_config={"method": "layer_skip", "num_speculative_tokens": 3,
-                                                  "num_draft_layers": 1})
-    m = eng.model
+    from kvfleet_server.spec_decode.layer_skip import LayerSkipProposer
+
+    m = tiny_engine_factory().model
     assert 0 < decode_read_bytes(m, 0) < decode_read_bytes(m, 1) < decode_read_bytes(m)
-    assert eng.proposer.draft_cost == pytest.approx(decode_read_bytes(m, 1) / decode_read_bytes(m))
+    assert LayerSkipProposer(1, m).draft_cost == pytest.approx(decode_read_bytes(m, 1) / decode_read_bytes(m))
     ngram = tiny_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert ngram.proposer.draft_cost == 0.0
     assert ngram.scheduler.spec_min_acceptance == DraftGate.MIN_ACCEPTANCE  # the floor over a 0.1 break-even
@@ -95,11 +95,25 @@ def test_a_method_that_cannot_pay_does_not_speculate(tiny_engine_factory, tiny_l
     with caplog.at_level("WARNING", logger="kvfleet.engine"):
         eng = tiny_engine_factory(speculative_config={"method": "draft_model", "model": tiny_llama_dir,
                                                       "num_speculative_tokens": 3})
-    assert eng.proposer.draft_cost == pytest.approx(1.0)
-    assert "speculation is off" in caplog.text and "break-even acceptance 1.10" in caplog.text
+    assert "a draft costs 1.00" in caplog.text and "break-even acceptance 1.10" in caplog.text
+    assert "speculation is off" in caplog.text
+    # the drafter is released: no draft KV in the pool, no draft work per step
+    assert eng.proposer is None and eng.num_blocks == plain.num_blocks
     out_plain, _ = greedy_with_step_counts(plain, [9, 10, 11, 12], 40)
     out, drafted = greedy_with_step_counts(eng, [9, 10, 11, 12], 40)
     assert out == out_plain and sum(drafted) == 0
+
+
+def test_a_costly_draft_backs_off_longer_so_failed_probes_stay_cheap():
+    cheap, costly = DraftGate(0.3, token_cost=0.1), DraftGate(0.94, token_cost=0.94)
+    assert cheap.backoff == DraftGate.FIRST_BACKOFF == 8
+    assert costly.backoff == 24  # a failed one-draft probe every 24 steps costs 0.94 / 24 < 4 % of them
+    costly.update(step=0, num_drafts=3, num_accepted=0)
+    assert not costly.open(23) and costly.open(24) and costly.backoff == 48
+    costly.update(step=24, num_drafts=1, num_accepted=0)
+    assert costly.open(72) and not costly.open(71)
+    assert DraftGate.max_inherited_backoff(0.94) == DraftGate.MAX_INHERITED_BACKOFF
+    assert DraftGate.max_inherited_backoff(4.0) == DraftGate.initial_backoff(4.0) == 100
 
 
 def test_a_new_sequence_starts_with_a_probe_and_the_learned_back_off_after_low_acceptance(tiny_engine_factory, tiny_qwen2_dir):

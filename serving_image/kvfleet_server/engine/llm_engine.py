@@ -126,9 +126,11 @@ class LLMEngine:
             self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
                                 if config.speculative_config else None)
             self.proposer = None
+            spec_kw = {}
             if self.spec_config is not None:
                 self.proposer = build_proposer(self.spec_config, self.model, self.model_config, self.tokenizer,
                                                self.dtype, self.device, max_len)
+                spec_kw = self._draft_gate_settings()
                 lap("draft model")
             self.runner, self.num_blocks = size_kv_pool(
                 config, self.model, self.tp, self.device,
@@ -163,22 +165,6 @@ class LLMEngine:
             f" per rank × {tp_size} ranks" if tp_size > 1 else "", self.kv_cache_dtype, max_len, capacity / max_len,
         )
         self.kv = KVCacheManager(self.num_blocks, bs)
-        sc = self.spec_config
-        spec_kw = {}
-        if sc is not None:
-            be = break_even_acceptance(self.proposer.draft_cost, self.device)
-            cut = max(DraftGate.MIN_ACCEPTANCE, be) if sc.min_acceptance is None else sc.min_acceptance
-            # the draft length weighs each token at the break-even cost (an explicit cut-off below it
-            # lowers it: min_acceptance 0 always verifies k drafts)
-            token_cost = be if sc.min_acceptance is None else min(be, sc.min_acceptance)
-            k = sc.num_speculative_tokens if cut < 1 else 0
-            logger.log(logging.INFO if k else logging.WARNING,
-                       "speculative decoding: %s, up to %d tokens; a draft costs %.2f of a decode step, break-even "
-                       "acceptance %.2f, cut-off %.2f%s", sc.method, sc.num_speculative_tokens,
-                       self.proposer.draft_cost, be, cut,
-                       "" if k else " — no acceptance rate pays on this device: speculation is off")
-            spec_kw = dict(num_speculative_tokens=k, disable_by_batch_size=sc.disable_by_batch_size,
-                           spec_min_acceptance=cut, spec_token_cost=token_cost)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching, max_model_len=max_len, **spec_kw)
         self.requests: dict[str, Request] = {}
@@ -193,6 +179,27 @@ class LLMEngine:
         #: wait, kv_cache allocation, compile, other), in order, and "tokenizer (in a thread)": the
         #: tokenizer's own load time, overlapped with the weights; the server logs them.
         self.startup_timings: dict[str, float] = timings
+
+    def _draft_gate_settings(self) -> dict:
+        """The scheduler's speculation settings from the proposer's cost on this device (DraftGate); logs
+        them. A method no acceptance rate can pay for here (break-even ≥ 1) is dropped: its drafter is
+        released (no memory in the KV pool, no work per step) and the engine decodes plainly."""
+        sc = self.spec_config
+        be = break_even_acceptance(self.proposer.draft_cost, self.device)
+        cut = max(DraftGate.MIN_ACCEPTANCE, be) if sc.min_acceptance is None else sc.min_acceptance
+        # the draft length weighs each token at the break-even cost (an explicit cut-off below it
+        # lowers it: min_acceptance 0 always verifies k drafts)
+        token_cost = be if sc.min_acceptance is None else min(be, sc.min_acceptance)
+        k = sc.num_speculative_tokens if cut < 1 else 0
+        logger.log(logging.INFO if k else logging.WARNING,
+                   "speculative decoding: %s, up to %d tokens; a draft costs %.2f of a decode step, break-even "
+                   "acceptance %.2f, cut-off %.2f%s", sc.method, sc.num_speculative_tokens,
+                   self.proposer.draft_cost, be, cut,
+                   "" if k else " — no acceptance rate pays on this device: speculation is off")
+        if not k:
+            self.proposer = None
+        return dict(num_speculative_tokens=k, disable_by_batch_size=sc.disable_by_batch_size,
+                    spec_min_acceptance=cut, spec_token_cost=token_cost)
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":

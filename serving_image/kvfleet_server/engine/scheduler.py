@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -112,10 +113,11 @@ class DraftGate:
     The gate tracks an exponential moving average of a; when it falls below ``min_acceptance`` (the
     engine passes the break-even, at least ``MIN_ACCEPTANCE``, or speculative_config.min_acceptance;
     0 never cuts off; at 1 or more the engine does not speculate at all) the sequence decodes without
-    drafts for a back-off (8 steps, doubling after every failed probe up to 256), then probes with a
-    single draft (a new sequence starts with a probe too while the acceptance over all sequences is
+    drafts for a back-off (8 steps, or more for a costly draft: at least ``token_cost / PROBE_OVERHEAD``
+    steps, so failed probes cost at most 4 % of the decode steps; doubling after every failed probe up to
+    256), then probes with a single draft (a new sequence starts with a probe too while the acceptance over all sequences is
     below the cut-off, and starts from the back-off the last failed verification reached, at most
-    ``MAX_INHERITED_BACKOFF``: with a draft that never agrees, a request of up to 64 tokens costs one probe,
+    ``MAX_INHERITED_BACKOFF`` or the first back-off if larger: with a draft that never agrees, a request of up to 64 tokens costs one probe,
     not one per doubling; any verification that pays resets what new sequences inherit, so acceptance that
     recovers is picked up within 64 steps). A probe that pays brings k drafts back; the back-off resets only once a full
     verification pays. A sequence the proposer cannot predict costs almost nothing after a few steps, one
@@ -134,19 +136,32 @@ class DraftGate:
     MIN_ACCEPTANCE = 0.3
     FIRST_BACKOFF, MAX_BACKOFF = 8, 256
     MAX_INHERITED_BACKOFF = 64
+    #: the share of decode steps that failed probes may cost (sets the first back-off of a costly draft)
+    PROBE_OVERHEAD = 0.04
 
     #: discount of earlier verifications in the acceptance estimate α, and its prior (successes, failures)
     DISCOUNT, PRIOR = 0.7, (3.0, 1.0)
 
-    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, probing: bool = False, backoff: int = FIRST_BACKOFF,
+    def __init__(self, min_acceptance: float = MIN_ACCEPTANCE, probing: bool = False, backoff: int | None = None,
                  token_cost: float = 0.0):
         self.min_acceptance = min_acceptance
         self.ema = min_acceptance  # a first verification that accepts little already cuts off
-        self.backoff = backoff
+        self.first_backoff = self.initial_backoff(token_cost)
+        self.backoff = self.first_backoff if backoff is None else backoff
         self.resume_step = 0
         self.probing = probing  # the next verification checks a single draft
         self.token_cost = token_cost
         self.successes, self.failures = self.PRIOR
+
+    @classmethod
+    def initial_backoff(cls, token_cost: float) -> int:
+        """Steps without drafts after a first failed verification: ``FIRST_BACKOFF``, or enough that a failed
+        one-draft probe (``token_cost`` of a decode step) costs at most ``PROBE_OVERHEAD`` of the steps."""
+        return max(cls.FIRST_BACKOFF, math.ceil(token_cost / cls.PROBE_OVERHEAD))
+
+    @classmethod
+    def max_inherited_backoff(cls, token_cost: float) -> int:
+        return max(cls.MAX_INHERITED_BACKOFF, cls.initial_backoff(token_cost))
 
     def open(self, step: int) -> bool:
         return step >= self.resume_step
@@ -173,7 +188,7 @@ class DraftGate:
         self.ema = 0.5 * self.ema + 0.5 * num_accepted / num_drafts
         if self.ema >= self.min_acceptance:
             if not self.probing:
-                self.backoff = self.FIRST_BACKOFF
+                self.backoff = self.first_backoff
             self.probing = False
             return
         self.resume_step = step + self.backoff
@@ -284,7 +299,7 @@ class Scheduler:
         self.spec_acceptance_ema: float | None = None
         #: the back-off a new sequence starts from while acceptance is low: the last failed verification's
         #: (capped at DraftGate.MAX_INHERITED_BACKOFF), back to the first once any verification pays
-        self.spec_backoff = DraftGate.FIRST_BACKOFF
+        self.spec_backoff = DraftGate.initial_backoff(spec_token_cost)
         self.max_model_len = max_model_len
         self.num_steps = 0
 
@@ -316,7 +331,7 @@ class Scheduler:
             ema = 1.0 if self.spec_acceptance_ema is None else self.spec_acceptance_ema
             low = ema < self.spec_min_acceptance
             seq.draft_gate = DraftGate(self.spec_min_acceptance, probing=low,
-                                       backoff=self.spec_backoff if low else DraftGate.FIRST_BACKOFF,
+                                       backoff=self.spec_backoff if low else None,
                                        token_cost=self.spec_token_cost)
 
     def _num_drafts(self, seq: Sequence, budget: int) -> int:
@@ -362,8 +377,8 @@ class Scheduler:
         gate = seq.draft_gate
         gate.update(self.num_steps, num_drafts, num_accepted)
         # a closed gate (probing next) failed; an open one paid
-        self.spec_backoff = (min(gate.backoff, DraftGate.MAX_INHERITED_BACKOFF) if gate.probing
-                             else DraftGate.FIRST_BACKOFF)
+        self.spec_backoff = (min(gate.backoff, DraftGate.max_inherited_backoff(gate.token_cost)) if gate.probing
+                             else gate.first_backoff)
         rate, ema = num_accepted / num_drafts, self.spec_acceptance_ema
         self.spec_acceptance_ema = rate if ema is None else 0.7 * ema + 0.3 * rate
         seq.num_computed_tokens += num_accepted

@@ -21,7 +21,7 @@ def build_proposer(cfg: SpeculativeConfig, target, target_config, tokenizer, dty
     if cfg.method == "layer_skip":
         from .layer_skip import LayerSkipProposer
 
-        return LayerSkipProposer(cfg.num_draft_layers, target_config.num_hidden_layers)
+        return LayerSkipProposer(cfg.num_draft_layers, target)
     from ..config import resolve_model
     from ..model.loader import load_model
 
@@ -34,4 +34,4 @@ def build_proposer(cfg: SpeculativeConfig, target, target_config, tokenizer, dty
                          f"max_model_len is {max_model_len}")
     from .draft_model import DraftModelProposer
 
-    return DraftModelProposer(model, mcfg, dtype, device)
+    return DraftModelProposer(model, mcfg, dtype, device, target)

@@ -16,8 +16,9 @@ from .proposer import DraftRequest, Drafts, Proposer, decode_read_bytes
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, model, model_config, dtype, device: str):
+    def __init__(self, model, model_config, dtype, device: str, target):
         self.model = model
+        self.draft_cost = decode_read_bytes(model) / decode_read_bytes(target)
         self.dtype = dtype
         self.device = device
         self.backend = None  # the target's attention backend, set by bind()
@@ -27,7 +28,6 @@ class DraftModelProposer(Proposer):
         self.runner: ModelRunner | None = None
 
     def bind(self, runner: ModelRunner) -> None:
-        self.draft_cost = decode_read_bytes(self.model) / decode_read_bytes(runner.model)
         self.backend = runner.backend  # the target's attention backend (--attention-backend)
         self.runner = ModelRunner(self.model, runner.num_blocks, runner.block_size, self.device, self.dtype,
                                   self.backend)

@@ -16,17 +16,17 @@ from .proposer import DraftRequest, Drafts, Proposer, decode_read_bytes
 
 
 class LayerSkipProposer(Proposer):
-    def __init__(self, num_draft_layers: int, num_hidden_layers: int):
+    def __init__(self, num_draft_layers: int, target):
+        num_hidden_layers = len(target.layers)
         if not 1 <= num_draft_layers < num_hidden_layers:
             raise ValueError(f"speculative_config.num_draft_layers must be in [1, {num_hidden_layers - 1}] "
                              f"(the target has {num_hidden_layers} layers), got {num_draft_layers}")
         self.num_draft_layers = num_draft_layers
         self.runner = None
-        self.draft_cost = 0.0  # known once bound to the target
+        self.draft_cost = decode_read_bytes(target, num_draft_layers) / decode_read_bytes(target)
 
     def bind(self, runner) -> None:
         self.runner = runner
-        self.draft_cost = decode_read_bytes(runner.model, self.num_draft_layers) / decode_read_bytes(runner.model)
 
     def propose(self, reqs: list[DraftRequest]) -> list[Drafts]:
         def first(r: DraftRequest) -> TokenSpan:
