@@ -115,10 +115,10 @@ class DraftGate:
     0 never cuts off; at 1 or more the engine does not speculate at all) the sequence decodes without
     drafts for a back-off (8 steps, or more for a costly draft: at least ``token_cost / PROBE_OVERHEAD``
     steps, so failed probes cost at most 4 % of the decode steps; doubling after every failed probe up to
-    256), then probes with a single draft (a new sequence starts with a probe too while the acceptance over all sequences is
-    below the cut-off, and starts from the back-off the last failed verification reached, at most
-    ``MAX_INHERITED_BACKOFF`` or the first back-off if larger: with a draft that never agrees, a request of up to 64 tokens costs one probe,
-    not one per doubling; any verification that pays resets what new sequences inherit, so acceptance that
+    256), then probes with a single draft (a new sequence starts with a probe too while the acceptance
+    over all sequences is below the cut-off, and starts from the back-off the last failed verification
+    reached, at most ``MAX_INHERITED_BACKOFF`` or the first back-off if larger: with a draft that never
+    agrees, a request of up to 64 tokens costs one probe, not one per doubling; any verification that pays resets what new sequences inherit, so acceptance that
     recovers is picked up within 64 steps). A probe that pays brings k drafts back; the back-off resets only once a full
     verification pays. A sequence the proposer cannot predict costs almost nothing after a few steps, one
     that starts quoting its prompt is picked up again. The output distribution does not depend on when
@@ -298,7 +298,7 @@ class Scheduler:
         # probe while it is below the break-even
         self.spec_acceptance_ema: float | None = None
         #: the back-off a new sequence starts from while acceptance is low: the last failed verification's
-        #: (capped at DraftGate.MAX_INHERITED_BACKOFF), back to the first once any verification pays
+        #: (capped at DraftGate.max_inherited_backoff), back to the first once any verification pays
         self.spec_backoff = DraftGate.initial_backoff(spec_token_cost)
         self.max_model_len = max_model_len
         self.num_steps = 0
