@@ -131,6 +131,8 @@ class LLMEngine:
                 self.proposer = build_proposer(self.spec_config, self.model, self.model_config, self.tokenizer,
                                                self.dtype, self.device, max_len)
                 spec_kw = self._draft_gate_settings()
+                if not spec_kw["num_speculative_tokens"]:  # cannot pay here: release the drafter
+                    self.proposer = None
                 lap("draft model")
             self.runner, self.num_blocks = size_kv_pool(
                 config, self.model, self.tp, self.device,
@@ -182,8 +184,8 @@ class LLMEngine:
 
     def _draft_gate_settings(self) -> dict:
         """The scheduler's speculation settings from the proposer's cost on this device (DraftGate); logs
-        them. A method no acceptance rate can pay for here (break-even ≥ 1) is dropped: its drafter is
-        released (no memory in the KV pool, no work per step) and the engine decodes plainly."""
+        them. A method no acceptance rate can pay for here (break-even ≥ 1) gets num_speculative_tokens
+        0: the caller releases its drafter (no memory in the KV pool, no work per step)."""
         sc = self.spec_config
         be = break_even_acceptance(self.proposer.draft_cost, self.device)
         cut = max(DraftGate.MIN_ACCEPTANCE, be) if sc.min_acceptance is None else sc.min_acceptance
@@ -196,8 +198,6 @@ class LLMEngine:
                    "acceptance %.2f, cut-off %.2f%s", sc.method, sc.num_speculative_tokens,
                    self.proposer.draft_cost, be, cut,
                    "" if k else " — no acceptance rate pays on this device: speculation is off")
-        if not k:
-            self.proposer = None
         return dict(num_speculative_tokens=k, disable_by_batch_size=sc.disable_by_batch_size,
                     spec_min_acceptance=cut, spec_token_cost=token_cost)
 

@@ -146,11 +146,10 @@ class DraftGate:
                  token_cost: float = 0.0):
         self.min_acceptance = min_acceptance
         self.ema = min_acceptance  # a first verification that accepts little already cuts off
-        self.first_backoff = self.initial_backoff(token_cost)
+        self.token_cost = token_cost
         self.backoff = self.first_backoff if backoff is None else backoff
         self.resume_step = 0
         self.probing = probing  # the next verification checks a single draft
-        self.token_cost = token_cost
         self.successes, self.failures = self.PRIOR
 
     @classmethod
@@ -162,6 +161,10 @@ class DraftGate:
     @classmethod
     def max_inherited_backoff(cls, token_cost: float) -> int:
         return max(cls.MAX_INHERITED_BACKOFF, cls.initial_backoff(token_cost))
+
+    @property
+    def first_backoff(self) -> int:
+        return self.initial_backoff(self.token_cost)
 
     def open(self, step: int) -> bool:
         return step >= self.resume_step
