@@ -6,10 +6,14 @@ learned applies to the next, and drafts come from what is left after every runni
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvfleet_server import SamplingParams
 from kvfleet_server.engine.scheduler import DraftGate
-from kvfleet_server.spec_decode.proposer import VERIFY_COST, decode_read_bytes
+from kvfleet_server.model.loader import load_model, load_model_config
+from kvfleet_server.spec_decode import draft_cost
+from kvfleet_server.spec_decode.config import SpeculativeConfig
+from kvfleet_server.spec_decode.proposer import VERIFY_COST, config_read_bytes, decode_read_bytes
 
 from engine_helpers import assert_all_blocks_free, run_to_completion
 from spec_helpers import greedy_with_step_counts
@@ -78,26 +82,43 @@ def test_engine_drafts_grow_to_k_while_every_draft_is_accepted(tiny_engine_facto
 
 
 def test_draft_costs_follow_the_weights_read(tiny_engine_factory):
-    from kvfleet_server.spec_decode.layer_skip import LayerSkipProposer
-
     m = tiny_engine_factory().model
     assert 0 < decode_read_bytes(m, 0) < decode_read_bytes(m, 1) < decode_read_bytes(m)
-    assert LayerSkipProposer(1, m).draft_cost == pytest.approx(decode_read_bytes(m, 1) / decode_read_bytes(m))
+    layer_skip = SpeculativeConfig.from_dict({"method": "layer_skip", "num_draft_layers": 1,
+                                              "num_speculative_tokens": 3})
+    cfg = tiny_engine_factory().model_config
+    assert draft_cost(layer_skip, m, cfg, torch.float32, 64) == pytest.approx(
+        decode_read_bytes(m, 1) / decode_read_bytes(m))
     ngram = tiny_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert ngram.proposer.draft_cost == 0.0
+    assert draft_cost(ngram.spec_config, m, cfg, torch.float32, 64) == 0.0
     assert ngram.scheduler.spec_min_acceptance == DraftGate.MIN_ACCEPTANCE  # the floor over a 0.1 break-even
     assert VERIFY_COST["cpu"] < DraftGate.MIN_ACCEPTANCE
 
 
-def test_a_method_that_cannot_pay_does_not_speculate(tiny_engine_factory, tiny_llama_dir, caplog):
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_draft_models_cost_is_known_from_its_config_before_loading(fixture, dtype, request):
+    # the pre-load estimate (attention bias for Qwen2, tied or separate head) is what the loaded model reads
+    path = request.getfixturevalue(fixture)
+    model, mcfg = load_model(path, dtype, "cpu")
+    assert config_read_bytes(load_model_config(path), dtype.itemsize) == decode_read_bytes(model)
+
+
+def test_a_method_that_cannot_pay_does_not_speculate(tiny_engine_factory, tiny_llama_dir, caplog, monkeypatch):
     # the target as its own draft: every draft accepted, yet each costs a whole decode step
     plain = tiny_engine_factory()
+    import kvfleet_server.model.loader as loader
+
+    def no_draft_weights(*a, **kw):
+        raise AssertionError("the draft's weights were loaded")
+
+    monkeypatch.setattr(loader, "load_model", no_draft_weights)  # the engine imported its own load_model
     with caplog.at_level("WARNING", logger="kvfleet.engine"):
         eng = tiny_engine_factory(speculative_config={"method": "draft_model", "model": tiny_llama_dir,
                                                       "num_speculative_tokens": 3})
     assert "a draft costs 1.00" in caplog.text and "break-even acceptance 1.10" in caplog.text
-    assert "speculation is off" in caplog.text
-    # the drafter is released: no draft KV in the pool, no draft work per step
+    assert "speculation is off, no draft loaded" in caplog.text
+    # no drafter is built: no draft KV in the pool, no draft work per step
     assert eng.proposer is None and eng.num_blocks == plain.num_blocks
     out_plain, _ = greedy_with_step_counts(plain, [9, 10, 11, 12], 40)
     out, drafted = greedy_with_step_counts(eng, [9, 10, 11, 12], 40)

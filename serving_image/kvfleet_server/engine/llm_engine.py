@@ -40,7 +40,7 @@ from ..sampling_params import SamplingParams
 from .scheduler import DraftGate, Request, ScheduledSeq, Scheduler, Sequence, SeqStatus
 from ..stats import IterationStats, SchedulerStats
 from ..model.tokenizer import Tokenizer
-from ..spec_decode import build_proposer
+from ..spec_decode import build_proposer, draft_cost
 from ..spec_decode.proposer import break_even_acceptance
 from ..spec_decode.config import SpeculativeConfig
 
@@ -128,11 +128,10 @@ class LLMEngine:
             self.proposer = None
             spec_kw = {}
             if self.spec_config is not None:
-                self.proposer = build_proposer(self.spec_config, self.model, self.model_config, self.tokenizer,
-                                               self.dtype, self.device, max_len)
-                spec_kw = self._draft_gate_settings()
-                if not spec_kw["num_speculative_tokens"]:  # cannot pay here: release the drafter
-                    self.proposer = None
+                spec_kw = self._draft_gate_settings(
+                    draft_cost(self.spec_config, self.model, self.model_config, self.dtype, max_len))
+                if spec_kw["num_speculative_tokens"]:  # a draft that cannot pay here is never loaded
+                    self.proposer = build_proposer(self.spec_config, self.dtype, self.device, max_len)
                 lap("draft model")
             self.runner, self.num_blocks = size_kv_pool(
                 config, self.model, self.tp, self.device,
@@ -182,12 +181,13 @@ class LLMEngine:
         #: tokenizer's own load time, overlapped with the weights; the server logs them.
         self.startup_timings: dict[str, float] = timings
 
-    def _draft_gate_settings(self) -> dict:
-        """The scheduler's speculation settings from the proposer's cost on this device (DraftGate); logs
-        them. A method no acceptance rate can pay for here (break-even ≥ 1) gets num_speculative_tokens
-        0: the caller releases its drafter (no memory in the KV pool, no work per step)."""
+    def _draft_gate_settings(self, cost: float) -> dict:
+        """The scheduler's speculation settings from a draft token's ``cost`` relative to a decode step on
+        this device (spec_decode.draft_cost; DraftGate); logs them. A method no acceptance rate can pay
+        for here (break-even ≥ 1) gets num_speculative_tokens 0: the caller builds no drafter (no draft
+        model loaded, no memory in the KV pool, no work per step)."""
         sc = self.spec_config
-        be = break_even_acceptance(self.proposer.draft_cost, self.device)
+        be = break_even_acceptance(cost, self.device)
         cut = max(DraftGate.MIN_ACCEPTANCE, be) if sc.min_acceptance is None else sc.min_acceptance
         # the draft length weighs each token at the break-even cost (an explicit cut-off below it
         # lowers it: min_acceptance 0 always verifies k drafts)
@@ -195,9 +195,8 @@ class LLMEngine:
         k = sc.num_speculative_tokens if cut < 1 else 0
         logger.log(logging.INFO if k else logging.WARNING,
                    "speculative decoding: %s, up to %d tokens; a draft costs %.2f of a decode step, break-even "
-                   "acceptance %.2f, cut-off %.2f%s", sc.method, sc.num_speculative_tokens,
-                   self.proposer.draft_cost, be, cut,
-                   "" if k else " — no acceptance rate pays on this device: speculation is off")
+                   "acceptance %.2f, cut-off %.2f%s", sc.method, sc.num_speculative_tokens, cost, be, cut,
+                   "" if k else " — no acceptance rate pays on this device: speculation is off, no draft loaded")
         return dict(num_speculative_tokens=k, disable_by_batch_size=sc.disable_by_batch_size,
                     spec_min_acceptance=cut, spec_token_cost=token_cost)
 

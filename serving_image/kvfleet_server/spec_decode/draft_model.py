@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from ..executor.model_runner import ModelRunner, TokenSpan, kv_bytes_per_token
 from .drafting import draft_autoregressive
-from .proposer import DraftRequest, Drafts, Proposer, decode_read_bytes
+from .proposer import DraftRequest, Drafts, Proposer
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, model, model_config, dtype, device: str, target):
+    def __init__(self, model, model_config, dtype, device: str):
         self.model = model
-        self.draft_cost = decode_read_bytes(model) / decode_read_bytes(target)
         self.dtype = dtype
         self.device = device
         self.backend = None  # the target's attention backend, set by bind()

@@ -12,18 +12,13 @@ from __future__ import annotations
 
 from ..executor.model_runner import TokenSpan
 from .drafting import draft_autoregressive
-from .proposer import DraftRequest, Drafts, Proposer, decode_read_bytes
+from .proposer import DraftRequest, Drafts, Proposer
 
 
 class LayerSkipProposer(Proposer):
-    def __init__(self, num_draft_layers: int, target):
-        num_hidden_layers = len(target.layers)
-        if not 1 <= num_draft_layers < num_hidden_layers:
-            raise ValueError(f"speculative_config.num_draft_layers must be in [1, {num_hidden_layers - 1}] "
-                             f"(the target has {num_hidden_layers} layers), got {num_draft_layers}")
+    def __init__(self, num_draft_layers: int):
         self.num_draft_layers = num_draft_layers
         self.runner = None
-        self.draft_cost = decode_read_bytes(target, num_draft_layers) / decode_read_bytes(target)
 
     def bind(self, runner) -> None:
         self.runner = runner

@@ -68,20 +68,26 @@ def decode_read_bytes(model: torch.nn.Module, num_layers: int | None = None) -> 
     return sum(model_weight_bytes(m) for m in layers) + model_weight_bytes(model.norm) + model_weight_bytes(head)
 
 
+def config_read_bytes(cfg, itemsize: int) -> int:
+    """What ``decode_read_bytes`` gives for an unquantized model of ``cfg`` (a ModelConfig) with weights of
+    ``itemsize`` bytes, computed from the architecture config alone — before any weight is loaded. Per
+    layer: two RMSNorm weights, fused q/k/v (and its bias when ``attention_bias``), o, gate/up and down;
+    then the final norm and the LM head (or the tied embedding: the same [vocab, hidden] shape)."""
+    h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
+    layer = 2 * h + h * qkv_out + (qkv_out if cfg.attention_bias else 0) + cfg.num_attention_heads * hd * h + 3 * h * i
+    return itemsize * (cfg.num_hidden_layers * layer + h + cfg.vocab_size * h)
+
+
 class Proposer(ABC):
     """A speculative method.
 
     Attributes:
         extra_kv_bytes_per_token: KV memory the method keeps per token in the shared block pool (a draft
             model's own cache), so that the pool is sized for both.
-        draft_cost: cost of proposing one draft token relative to one target decode step, as weight
-            bytes read (decode is memory-bound): 0 for n-gram lookup, (first L layers + head) / (all
-            layers + head) for layer_skip, draft / target for a draft model. The acceptance cut-off
-            (engine/scheduler.py DraftGate) uses it for the break-even acceptance rate.
     """
 
     extra_kv_bytes_per_token: int = 0
-    draft_cost: float = 0.0
 
     @abstractmethod
     def propose(self, reqs: list[DraftRequest]) -> list[Drafts]:
