@@ -79,45 +79,12 @@ def _rotated(fn, block: int):
     return run
 
 
-#: calibration text for the GPTQ rows: stdlib module docstrings (not the evaluation text, pydoc_data.topics)
-CALIBRATION_MODULES = ("argparse", "asyncio", "collections", "csv", "dataclasses", "datetime", "decimal",
-                       "functools", "http.client", "itertools", "json", "logging", "pathlib", "random", "re",
-                       "sqlite3", "statistics", "string", "subprocess", "textwrap", "threading", "typing",
-                       "unittest", "urllib.request", "zipfile", "tarfile", "shutil", "pickle", "heapq")
+def _gptq_fp8(w: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
+    """kvfleet-quantize's GPTQ rounding onto the engine's grid, dequantized (float32 [N, K])."""
+    from kvfleet_server.quantize.gptq import gptq_fp8
 
-
-def calibration_text() -> str:
-    import importlib
-
-    return "\n\n".join(d for m in CALIBRATION_MODULES if (d := importlib.import_module(m).__doc__))
-
-
-def _gptq_fp8(w: torch.Tensor, hessian: torch.Tensor, block: int = 128, damp: float = 0.01) -> torch.Tensor:
-    """GPTQ's error-compensating rounding (Frantar et al. 2023) onto the engine's grid: e4m3 with one
-    scale per output row (absmax / 448 of the original row). Columns are rounded in order; each rounding
-    error is spread over the columns not yet rounded, weighted by the inverse of the inputs' second
-    moments ``hessian`` [K, K] (Σ xᵀx over calibration tokens)."""
-    W = w.double().clone()
-    n, k = W.shape
-    s = W.abs().amax(1).clamp(min=1e-12) / 448
-    H = hessian.double().clone()
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
-    W[:, dead] = 0
-    H += damp * torch.diag(H).mean() * torch.eye(k, dtype=H.dtype)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    Q = torch.zeros_like(W)
-    for i1 in range(0, k, block):
-        i2 = min(i1 + block, k)
-        W1, E1, h1 = W[:, i1:i2].clone(), torch.zeros(n, i2 - i1, dtype=W.dtype), hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            q = (W1[:, i] / s).clamp(-448, 448).float().to(F8).double() * s
-            Q[:, i1 + i] = q
-            err = (W1[:, i] - q) / h1[i, i]
-            W1[:, i:] -= err[:, None] * h1[i, i:][None, :]
-            E1[:, i] = err
-        W[:, i2:] -= E1 @ hinv[i1:i2, i2:]
-    return Q.float()
+    w8, s = gptq_fp8(w, hessian)
+    return w8.float() * s[:, None]
 
 
 def _int8_channel(w):
@@ -222,19 +189,13 @@ def main(argv=None) -> int:
     torch_ref.TorchAttentionBackend.forward = forward
 
     def gptq_rounding(llm, linears, original, calib_ids):
-        """Σ xᵀx of every linear's inputs over the calibration windows (float weights), then a
-        {name: rounding} that rounds each linear with GPTQ."""
-        hess, hooks = {}, []
+        """Σ xᵀx of every linear's inputs over the calibration windows (float weights; kvfleet-quantize's
+        calibration), then a {name: rounding} that rounds each linear with GPTQ."""
+        from kvfleet_server.quantize.calibration import collect_hessians
+
         for n, m in linears:
             m.weight.data.copy_(original[n])
-
-            def hook(mod, inputs, n=n):
-                x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-                hess[n] = hess.get(n, 0) + x.T @ x
-            hooks.append(m.register_forward_pre_hook(hook))
-        score_windows(llm, fixed_windows(calib_ids, 512, min(4, len(calib_ids) // 512)))
-        for h in hooks:
-            h.remove()
+        hess = collect_hessians(llm, fixed_windows(calib_ids, 512, min(4, len(calib_ids) // 512)))
         return {n: (lambda w, n=n: _gptq_fp8(w, hess[n])) for n, _ in linears}
 
     def score():
@@ -255,6 +216,8 @@ def main(argv=None) -> int:
         if kind == "w":
             fn, only = spec
             if fn == "gptq":
+                from kvfleet_server.quantize.calibration import calibration_text
+
                 fn = gptq_rounding(llm, linears, original,
                                    tokenizer.encode(calibration_text(), add_special_tokens=False))
             for n, m in linears:

@@ -6,7 +6,8 @@ batch-1 decode). Prints a table with ratios to fp32 and bf16; writes JSON under 
 
 The float reference is the bundled Q4_1 GGUF dequantized to float32 and saved as a Hugging Face
 directory (``evaluate.export_float_checkpoint``): fp32 / bf16 run it unquantized, fp8 / int8 / int4
-quantize it at load; "gguf" serves the .gguf file itself, packed. When llama-cpp-python is
+quantize it at load; "fp8-gptq" serves ``kvfleet-quantize``'s GPTQ-rounded FP8 checkpoint of it (written
+once next to the float directory); "gguf" serves the .gguf file itself, packed. When llama-cpp-python is
 importable (not a project dependency), llama.cpp's decode speed on the same .gguf is added.
 
     python benchmarks/quantization.py                      # everything (an hour on a busy shared 2-core CPU)
@@ -32,6 +33,9 @@ METHODS = {
     "int8": ("float", dict(quantization="int8")),  # dtype auto: bfloat16 activations
     "int4": ("float", dict(quantization="int4")),
     "fp8": ("float", dict(quantization="fp8")),  # dtype auto: float32 activations on CPU (weight-only)
+    # kvfleet-quantize's GPTQ FP8_DYNAMIC checkpoint of the same float weights (calibrated on stdlib
+    # docstrings, not the scored text): the same grid, scales and kernels as fp8
+    "fp8-gptq": ("fp8-gptq", dict()),
     "fp32+kv-fp8": ("float", dict(dtype="float32", kv_cache_dtype="fp8")),
     "gguf-fp32": ("gguf", dict(dtype="float32", quantization="gguf")),  # packed, exact float32 path
     "bf16+kv-fp8": ("float", dict(dtype="bfloat16", kv_cache_dtype="fp8")),
@@ -138,11 +142,16 @@ def main(argv=None) -> int:
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     if names[0] != "fp32":
         names.insert(0, "fp32")  # the reference
+    sources = {"float": float_dir, "gguf": gguf, "fp8-gptq": float_dir + "-fp8-gptq"}
+    if "fp8-gptq" in names and not os.path.isfile(os.path.join(sources["fp8-gptq"], "model.safetensors")):
+        from kvfleet_server.quantize.cli import main as quantize
+
+        if quantize(["--model", float_dir, "--output", sources["fp8-gptq"]]) != 0:
+            raise SystemExit("kvfleet-quantize failed")
     results, ref = [], None
     for name in names:
         src_kind, overrides = METHODS[name]
-        r, scores, toks = run_method(name, float_dir if src_kind == "float" else gguf, overrides, args, windows,
-                                     prompts, ref)
+        r, scores, toks = run_method(name, sources[src_kind], overrides, args, windows, prompts, ref)
         if ref is None:
             ref = {"scores": scores, "tokens": toks, "perplexity": r["perplexity"]}
         results.append(r)

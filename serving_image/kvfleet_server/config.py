@@ -7,6 +7,7 @@ Options for features kvfleet does not have yet are refused with ``UnsupportedFea
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from dataclasses import dataclass, field, fields
 
@@ -20,7 +21,8 @@ MAX_DEFAULT_MODEL_LEN = 8192
 #: --quantization values the engine runs (model/layers/quant/); None = the checkpoint's own dtype, or
 #: "gguf" (packed) for a .gguf file
 QUANTIZATION_CHOICES = ("fp8", "int8", "int4", "gguf")
-#: formats of already-quantized checkpoints that vLLM accepts and kvfleet does not load
+#: formats of already-quantized checkpoints that vLLM accepts and kvfleet does not load (FP8 compressed-tensors
+#: checkpoints are loaded: they need no --quantization, or --quantization fp8)
 UNSUPPORTED_QUANTIZED_FORMATS = ("awq", "gptq", "compressed-tensors", "bitsandbytes", "awq_marlin", "gptq_marlin",
                                  "marlin", "aqlm", "hqq", "eetq", "exl2", "fbgemm_fp8", "modelopt", "quark",
                                  "torchao", "mxfp4", "bitnet", "deepspeedfp", "experts_int8", "ptpc_fp8")
@@ -159,7 +161,8 @@ class EngineConfig:
         q = self.quantization
         if q is not None and q not in QUANTIZATION_CHOICES:
             why = (" (an already-quantized checkpoint format; kvfleet loads float checkpoints, quantized at load, "
-                   "and GGUF files)" if q in UNSUPPORTED_QUANTIZED_FORMATS else "")
+                   "FP8 checkpoints — compressed-tensors float-quantized, found from config.json without this "
+                   "flag — and GGUF files)" if q in UNSUPPORTED_QUANTIZED_FORMATS else "")
             raise UnsupportedFeatureError(
                 f"not supported: quantization={q!r}{why}; expected one of {list(QUANTIZATION_CHOICES)}")
         if q == "gguf" and self.model and self.model.lower() not in BUNDLED_MODEL_ALIASES \
@@ -239,12 +242,19 @@ class EngineConfig:
         return resolve_attention_backend(self.attention_backend, self.resolved_device())
 
     def resolved_quantization(self) -> str | None:
-        """The quantization method that runs: ``quantization``; else "gguf" (packed) for a .gguf model file
+        """The quantization method that runs: ``quantization``; else the checkpoint's own ("fp8" for an FP8
+        checkpoint, see ``model/layers/quant/checkpoint.py``), or "gguf" (packed) for a .gguf model file
         unless ``dtype`` asks for float32, which dequantizes the file to float32 as before (exact, dense
         matmuls; ``quantization="gguf"`` with float32 keeps it packed and dequantizes per matmul)."""
         if self.quantization is not None:
             return self.quantization
-        packed = self.resolved_model().endswith(".gguf") and self.dtype != "float32"
+        path = self.resolved_model()
+        if os.path.isfile(os.path.join(path, "config.json")):  # an FP8 checkpoint runs the fp8 method
+            from .model.layers.quant.checkpoint import checkpoint_quantization
+
+            with open(os.path.join(path, "config.json")) as f:
+                return checkpoint_quantization(json.load(f), path)
+        packed = path.endswith(".gguf") and self.dtype != "float32"
         return "gguf" if packed else None
 
     def resolved_dtype(self):

@@ -196,7 +196,7 @@ def test_already_quantized_checkpoint_is_refused_by_name(tiny_llama_dir, tmp_pat
     cfg = json.loads((d / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedFeatureError, match="already quantized \\(quantization_config.quant_method='awq'\\)"):
+    with pytest.raises(UnsupportedFeatureError, match="already quantized: quantization_config.quant_method='awq' is not supported"):
         LLMEngine(EngineConfig(model=str(d), dtype="float32", device="cpu", kv_cache_memory_bytes=BYTES))
 
 

@@ -1,7 +1,7 @@
 """Tensor parallelism on random-weight Llama models (must-show 2): TP = 2 and 4 with 8 query / 2 KV
 heads (KV-head replication at TP = 4) and 8 / 8 heads at TP = 2 give the logits of TP = 1 (float32; the
 all-reduce order moves the last bits only), and greedy generation gives the same tokens; so do int8,
-int4 and fp8 weights quantized at load. A model with
+int4 and fp8 weights quantized at load, and an FP8 checkpoint. A model with
 9 query heads is refused at TP = 2 with the numbers, before any worker starts.
 
 Ranks 1..N-1 are real worker processes (gloo on the CPU), one intra-op thread each."""
@@ -79,6 +79,18 @@ def test_gqa_8_2_at_tp_2_and_4_matches_tp_1(heads_8_2):
     ref = logits_and_tokens(heads_8_2, 1)
     for tp in (2, 4):  # TP = 4 > 2 KV heads: each KV head replicated on 2 ranks
         _compare(ref, logits_and_tokens(heads_8_2, tp))
+
+
+def test_an_fp8_checkpoint_shards_with_its_scales(heads_8_2, tmp_path):
+    """A serialized FP8 checkpoint (kvfleet-quantize): each rank cuts the stored codes and their
+    per-channel scales; row-parallel layers keep the checkpoint's scales (no absmax of their own)."""
+    from kvfleet_server.quantize.cli import main as quantize_main
+
+    out = str(tmp_path / "fp8")
+    assert quantize_main(["--model", heads_8_2, "--output", out, "--rounding", "rtn"]) == 0
+    ref = logits_and_tokens(out, 1)
+    _compare(logits_and_tokens(heads_8_2, 1, quantization="fp8"), ref)  # the same model as quantized at load
+    _compare(ref, logits_and_tokens(out, 2))
 
 
 def test_mha_8_8_with_qkv_bias_and_tied_embeddings_at_tp_2_matches_tp_1(heads_8_8):

@@ -22,6 +22,8 @@ class ModelConfig:
             (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
         attention_bias: q/k/v projections carry a bias (True for Qwen2).
         eos_token_ids: token ids that end generation (config's eos_token_id, int or list).
+        checkpoint_quantization: None for float weights, "fp8" when the checkpoint stores the decoder
+            projections in FP8 (config.json's quantization_config; ``layers/quant/checkpoint.py``).
     """
 
     architecture: str
@@ -40,6 +42,7 @@ class ModelConfig:
     attention_bias: bool = False
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    checkpoint_quantization: str | None = None
 
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> "ModelConfig":

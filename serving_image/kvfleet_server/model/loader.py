@@ -22,7 +22,8 @@ from ..errors import UnsupportedFeatureError
 from . import MODEL_REGISTRY, ModelConfig
 from .config import SUPPORTED_ARCHITECTURES
 from .layers.linear import Linear
-from .layers.quant import QuantConfig, refuse_checkpoint_quantization
+from .layers.quant import QuantConfig
+from .layers.quant.checkpoint import checkpoint_quantization
 from .layers.quant.gguf import PACKED_TYPES, GGUFTensor
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,10 @@ def read_hf_config(model_dir: str) -> ModelConfig:
         raise ModelLoadError(f"expected config.json in model directory {model_dir!r}")
     with open(cfg_path) as f:
         raw = json.load(f)
-    refuse_checkpoint_quantization(raw, model_dir)
-    return ModelConfig.from_hf_dict(raw)
+    quantization = checkpoint_quantization(raw, model_dir)
+    cfg = ModelConfig.from_hf_dict(raw)
+    cfg.checkpoint_quantization = quantization
+    return cfg
 
 
 class LazyTensor:
@@ -141,7 +144,16 @@ def hf_to_kvfleet(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, lis
         if cfg.attention_bias:
             layer.update(qb=get(a + "q_proj.bias"), kb=get(a + "k_proj.bias"), vb=get(a + "v_proj.bias"))
         out.update(_layer_params(i, layer))
+        if cfg.checkpoint_quantization == "fp8":  # each projection's weight_scale, in the fused order
+            for fused, names in _FUSED_HF.items():
+                out[f"layers.{i}.{fused}.weight_scale"] = [get(p + n + ".weight_scale") for n in names]
     return out
+
+
+#: kvfleet's fused projections and the HF tensors they hold, in row order
+_FUSED_HF = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+             "down_proj": ("mlp.down_proj",)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,7 +481,14 @@ def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | 
             f"not supported yet: architecture {cfg.architecture}; expected one of {list(SUPPORTED_ARCHITECTURES)}"
         )
     _check_shapes(cfg, params)
-    model = _build(cfg, dtype, device, QuantConfig(quantization, dtype), tp)
+    serialized = cfg.checkpoint_quantization is not None
+    if serialized and quantization not in (None, cfg.checkpoint_quantization):
+        raise UnsupportedFeatureError(
+            f"not supported: quantization={quantization!r} for {path!r}, whose weights are already "
+            f"{cfg.checkpoint_quantization} (quantization_config in config.json): pass --quantization "
+            f"{cfg.checkpoint_quantization} or none")
+    method = cfg.checkpoint_quantization if serialized else quantization
+    model = _build(cfg, dtype, device, QuantConfig(method, dtype, serialized), tp)
     _load_weights(model, params)
     del params
     for m in model.modules():

@@ -6,8 +6,8 @@
   embedding and lm_head stay in the model dtype (as vLLM does for fp8).
 - "gguf": every Linear, the lm_head and the embedding keep their GGUF encoding (``gguf.py``).
 
-Checkpoint formats that are already quantized and not supported here are refused by name
-(``refuse_checkpoint_quantization``).
+Checkpoints already quantized: FP8 ones are loaded as they are stored (``QuantConfig(..., serialized=True)``),
+other formats are refused by name (``checkpoint.checkpoint_quantization``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from ....config import QUANTIZATION_CHOICES as QUANTIZATION_METHODS
 from ....errors import UnsupportedFeatureError
 from ..linear import QuantMethod, UnquantizedLinearMethod
 from .fp8 import cuda_supports_scaled_mm
-#: methods that quantize float weights at load ("online"); gguf needs a .gguf file
-ONLINE_METHODS = ("fp8", "int8", "int4")
 
 
 class QuantConfig:
@@ -28,20 +26,25 @@ class QuantConfig:
     Args:
         method: None or one of QUANTIZATION_METHODS.
         act_dtype: the model (activation) dtype.
+        serialized: the checkpoint already stores the decoder Linears in ``method``'s format (an FP8
+            checkpoint: ``checkpoint.checkpoint_quantization``), loaded as they are instead of quantized.
     """
 
-    def __init__(self, method: str | None, act_dtype: torch.dtype):
+    def __init__(self, method: str | None, act_dtype: torch.dtype, serialized: bool = False):
         if method is not None and method not in QUANTIZATION_METHODS:
             raise UnsupportedFeatureError(
                 f"not supported: quantization={method!r}; expected one of {list(QUANTIZATION_METHODS)}")
+        if serialized and method != "fp8":
+            raise UnsupportedFeatureError(f"not supported: a serialized {method!r} checkpoint (only fp8)")
         self.method = method
         self.act_dtype = act_dtype
+        self.serialized = serialized
 
     def linear_method(self) -> QuantMethod:
         """Method of a decoder projection (qkv_proj, o_proj, gate_up_proj, down_proj)."""
         if self.method == "fp8":
             from .fp8 import Fp8LinearMethod
-            return Fp8LinearMethod(self.act_dtype)
+            return Fp8LinearMethod(self.act_dtype, serialized=self.serialized)
         if self.method == "int8":
             from .int8 import Int8LinearMethod
             return Int8LinearMethod(self.act_dtype)
@@ -88,16 +91,3 @@ def quantization_note(method: str | None, device: str) -> str:
     if method in ("int8", "int4", "gguf"):
         return "; weight-only, dequantized per matmul on this device"
     return ""
-
-
-def refuse_checkpoint_quantization(hf_config: dict, path: str) -> None:
-    """Raise UnsupportedFeatureError naming the format when a HF checkpoint is already quantized
-    (``quantization_config`` in config.json): kvfleet loads float checkpoints and GGUF files only."""
-    qc = hf_config.get("quantization_config")
-    if not qc:
-        return
-    fmt = str(qc.get("quant_method") or qc.get("format") or "unknown") if isinstance(qc, dict) else "unknown"
-    raise UnsupportedFeatureError(
-        f"not supported: checkpoint {path!r} is already quantized (quantization_config.quant_method={fmt!r}); "
-        f"kvfleet loads float (fp32/bf16/fp16) safetensors checkpoints, quantized at load with --quantization "
-        f"{'/'.join(ONLINE_METHODS)}, and GGUF files")

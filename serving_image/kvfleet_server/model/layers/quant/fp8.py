@@ -13,6 +13,12 @@ Matmul:
   element at a time (measured 15 ms vs 50 ms for a 3072×576 weight, one thread).
 Following vLLM's Fp8LinearMethod for unquantized checkpoints (dynamic scheme), with per-channel
 instead of per-tensor weight scales.
+
+A checkpoint already in FP8 (``serialized``: compressed-tensors float-quantized, e.g. ``kvfleet-quantize``'s
+GPTQ rounding, or vLLM's per-tensor ``fp8``; see ``checkpoint.py``) is loaded as stored: ``weight``
+[N, K] float8_e4m3fn and ``weight_scale`` — [rows, 1] / [rows] per channel, or one value per checkpoint
+tensor, which becomes that shard's rows' scale (exact: fused q/k/v and gate/up keep their own scales) —
+then served by the same kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..linear import Linear
+from ..linear import Linear, set_weight_attrs
 from .per_channel import PerChannelQuantMethod, quantize_per_channel
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -42,9 +48,35 @@ def cuda_supports_scaled_mm(device: torch.device) -> bool:
 
 
 class Fp8LinearMethod(PerChannelQuantMethod):
+    """fp8 weights with one float32 scale per output row; ``serialized``: loaded from an FP8 checkpoint."""
+
     name = "fp8"
     qdtype = FP8_DTYPE
     qmax = FP8_MAX
+
+    def __init__(self, act_dtype: torch.dtype, serialized: bool = False):
+        super().__init__(act_dtype)
+        self.serialized = serialized
+        self.uses_row_absmax = not serialized  # the checkpoint's scales, not the rows' absmax
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        if not self.serialized:
+            return super().create_weights(layer, input_size, output_sizes, params_dtype)
+        n = sum(output_sizes)
+        w = torch.nn.Parameter(torch.empty(n, input_size, dtype=FP8_DTYPE), requires_grad=False)
+        set_weight_attrs(w, weight_loader=layer.weight_loader, output_dim=0, input_dim=1)
+        layer.register_parameter("weight", w)
+        s = torch.nn.Parameter(torch.empty(n, dtype=torch.float32), requires_grad=False)
+        set_weight_attrs(s, weight_loader=_scale_loader(layer), output_dim=0, input_dim=None)
+        layer.register_parameter("weight_scale", s)
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        if not self.serialized:
+            return super().process_weights_after_loading(layer)
+        q, s = layer.weight.data, layer.weight_scale.data
+        del layer.weight, layer.weight_scale
+        layer.register_buffer("qweight", q, persistent=False)
+        self.store_scales(layer, s)
 
     def store_scales(self, layer: Linear, s: torch.Tensor) -> None:
         layer.register_buffer("weight_scale", s, persistent=False)
@@ -56,6 +88,19 @@ class Fp8LinearMethod(PerChannelQuantMethod):
             return _scaled_mm_rowwise(x, layer.qweight, layer.weight_scale, bias)
         y = F.linear(x, upcast(layer.qweight, x.dtype)) * layer.weight_scale.to(x.dtype)
         return y if bias is None else y + bias
+
+
+def _scale_loader(layer: Linear):
+    """weight_loader of a serialized ``weight_scale``: a per-channel checkpoint scale ([rows, 1] or [rows])
+    is cut and copied like the weight's rows; a per-tensor one (one value) fills its shard's rows."""
+    def load(param, loaded, shard_id=None):
+        loaded = loaded.float()
+        if loaded.numel() == 1:
+            start, size = layer.shard_offset(shard_id)
+            param.data.narrow(0, start, size).fill_(float(loaded.reshape(())))
+        else:
+            layer.weight_loader(param, loaded.reshape(-1), shard_id)
+    return load
 
 
 _LUTS: dict[tuple[torch.dtype, torch.dtype], torch.Tensor] = {}
