@@ -153,3 +153,13 @@ def test_another_quantization_flag_on_an_fp8_checkpoint_is_refused(rtn_dir, tmp_
         llm(rtn_dir, quantization="int8", dtype="bfloat16")
     assert quantize_main(["--model", rtn_dir, "--output", str(tmp_path / "again")]) == 2
     assert "is already quantized (fp8)" in capsys.readouterr().err
+
+
+def test_kvfleet_server_serves_the_checkpoint_to_the_openai_client(rtn_dir, tmp_path):
+    from server_fixtures import openai_client, running_server
+
+    with running_server(["--model", rtn_dir, "--kv-cache-dtype", "fp8", "--kv-cache-memory-bytes", str(4 << 20),
+                         "--shutdown-timeout", "5"], str(tmp_path / "server.log")) as srv:
+        r = openai_client(srv).completions.create(model=rtn_dir, prompt="Hello", max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+        assert "weights: fp8" in srv.log()

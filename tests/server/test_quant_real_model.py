@@ -6,11 +6,13 @@ benchmarks/quantization.py measures the full set (docs/quantization.md).
 
 Targets (issue 11): fp8 weights ≤ +2% perplexity, fp8 KV cache ≤ +1%, int8 ≤ +1%; the packed GGUF
 in float32 gives the dequantized path's log-probs within 1e-3 (measured: identical). int8 and the packed
-GGUF are asserted at the issue's targets. fp8 weights (+3.0% here; +2.1% on 4 × 1024 and 8 × 1024
-windows) do NOT meet theirs: the cause is e4m3's 3-bit mantissa with round-to-nearest (relative weight
-error 10× int8's per-channel rounding; the scale choice cannot change a float format's relative
-rounding), measured in docs/quantization.md; its bound is the measured value with a margin, a regression
-guard. The fp8 KV cache stores K/V in a Hadamard basis: +0.4–0.6% on 4 × 1024 windows on every CPU kernel
+GGUF are asserted at the issue's targets. fp8 weights are asserted at ≤ +2% as users get them from an
+FP8 checkpoint written by ``kvfleet-quantize`` (GPTQ rounding onto the same e4m3 per-channel grid,
+calibrated on stdlib docstrings, not the scored text: −0.8% here, +0.1% on 4 × 1024). Quantized at load
+(``--quantization fp8``, round-to-nearest: +3.0% here; +2.1% on 4 × 1024 and 8 × 1024 windows) they do
+not meet it: e4m3's 3-bit mantissa (relative weight error 10× int8's per-channel rounding; the scale
+choice cannot change a float format's relative rounding), measured in docs/quantization.md; that bound is
+the measured value with a margin, a regression guard. The fp8 KV cache stores K/V in a Hadamard basis: +0.4–0.6% on 4 × 1024 windows on every CPU kernel
 path (the issue's +1%: met), +0.61% on these 2 × 256 windows with the default kernels but up to +1.35%
 with the fallback ones (float32 rounding moves which values e4m3 rounds up or down), so its bound here is
 1.5%; without the rotation it was +1.8–2.7%. Also asserted, kvfleet's
@@ -37,6 +39,16 @@ N_PARAMS = 134_515_008  # SmolLM2-135M: embedding 49152×576 (tied) + 30 layers 
 @pytest.fixture(scope="module")
 def float_dir(tmp_path_factory, gguf_path):
     return export_float_checkpoint(gguf_path, str(tmp_path_factory.mktemp("smollm2_f32")))
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(tmp_path_factory, float_dir):
+    """``kvfleet-quantize --model FLOAT --output DIR``: the default GPTQ FP8_DYNAMIC checkpoint."""
+    from kvfleet_server.quantize.cli import main
+
+    out = str(tmp_path_factory.mktemp("smollm2_fp8_gptq"))
+    assert main(["--model", float_dir, "--output", out]) == 0
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +81,8 @@ CASES = {
     # name: (source, overrides, max perplexity change, (min, max) weight bytes)
     # fp8: float32 embedding + 1 B/weight + scales; measured +3.0%: the issue's +2% is missed (see above)
     "fp8": ("float", dict(quantization="fp8"), 0.04, (218e6, 223e6)),
+    # the same grid from a GPTQ checkpoint (kvfleet-quantize), no flag: the issue's +2% (measured -0.8%)
+    "fp8-gptq": ("gptq", dict(), 0.02, (218e6, 223e6)),
     "int8": ("float", dict(quantization="int8"), 0.01, (160e6, 166e6)),  # bfloat16 embedding + 1 B/weight
     "int4": ("float", dict(quantization="int4"), 0.05, (110e6, 125e6)),
     # K and V in the Hadamard basis: +0.61% on these 2 windows with the default kernels, up to +1.35% with
@@ -79,14 +93,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_method_memory_and_accuracy_against_float32(name, float_dir, gguf_path, windows, reference):
+def test_method_memory_and_accuracy_against_float32(name, float_dir, gguf_path, windows, reference, request):
     src, kw, max_ppl, (lo, hi) = CASES[name]
-    llm = _llm(float_dir if src == "float" else gguf_path, **kw)
+    llm = _llm({"float": float_dir, "gguf": gguf_path}.get(src) or request.getfixturevalue("gptq_dir"), **kw)
     assert lo <= llm.engine.weight_bytes <= hi, llm.engine.weight_bytes
     if name == "kv-fp8":  # 1 byte instead of 4 per K/V element: 4x the blocks in the same bytes
         assert reference["blocks"] == (32 << 20) // (16 * 46080)
         assert llm.engine.num_blocks == (32 << 20) // (16 * 11520)
-    if name == "fp8":
+    if name.startswith("fp8"):
         proj = llm.engine.model.layers[0].qkv_proj
         assert proj.qweight.dtype == torch.float8_e4m3fn and proj.weight_scale.shape == (proj.output_size,)
         assert llm.engine.model.embed_tokens.weight.dtype == torch.float32  # embeddings / lm_head: model dtype

@@ -93,7 +93,7 @@ def _calibrate(src, args, calibration_text, collect_hessians, fixed_windows):
             text = f.read()
     llm = LLM(src, device="cpu", dtype="float32", cpu_weight_prepack=False, kv_cache_memory_bytes=64 << 20,
               max_num_batched_tokens=max(512, args.calibration_window), max_num_seqs=8,
-              max_model_len=max(args.calibration_window, 256), enable_prefix_caching=False)
+              max_model_len=args.calibration_window + 16, enable_prefix_caching=False)
     ids = llm.engine.tokenizer.encode(text, add_special_tokens=False)
     count = min(args.calibration_tokens, len(ids)) // args.calibration_window
     if count < 1:
