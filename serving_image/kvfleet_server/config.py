@@ -165,6 +165,9 @@ class EngineConfig:
                    "flag — and GGUF files)" if q in UNSUPPORTED_QUANTIZED_FORMATS else "")
             raise UnsupportedFeatureError(
                 f"not supported: quantization={q!r}{why}; expected one of {list(QUANTIZATION_CHOICES)}")
+        from .model.layers.quant.checkpoint import check_quantization_flag
+
+        check_quantization_flag(q, self.checkpoint_quantization(), self.resolved_model())
         if q == "gguf" and self.model and self.model.lower() not in BUNDLED_MODEL_ALIASES \
                 and not self.model.endswith(".gguf"):
             raise UnsupportedFeatureError(
@@ -250,12 +253,23 @@ class EngineConfig:
             return self.quantization
         path = self.resolved_model()
         if os.path.isfile(os.path.join(path, "config.json")):  # an FP8 checkpoint runs the fp8 method
-            from .model.layers.quant.checkpoint import checkpoint_quantization
-
-            with open(os.path.join(path, "config.json")) as f:
-                return checkpoint_quantization(json.load(f), path)
+            return self.checkpoint_quantization()
         packed = path.endswith(".gguf") and self.dtype != "float32"
         return "gguf" if packed else None
+
+    def checkpoint_quantization(self) -> str | None:
+        """The method the model directory's weights are stored in ("fp8" for an FP8 checkpoint; None for
+        float weights, a .gguf file or no config.json). Raises UnsupportedFeatureError naming any other
+        ``quantization_config`` (``model/layers/quant/checkpoint.py``)."""
+        from .model.layers.quant.checkpoint import checkpoint_quantization
+
+        path = self.resolved_model()
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            return None  # not a readable HF directory: the loader names the problem
+        return checkpoint_quantization(raw, path)
 
     def resolved_dtype(self):
         """"auto": bfloat16 on CUDA; on CPU bfloat16 for int8 / int4 / gguf weights (their CPU kernels

@@ -149,8 +149,13 @@ def test_other_quantized_checkpoints_are_refused_by_name(tiny_llama_dir, tmp_pat
 
 
 def test_another_quantization_flag_on_an_fp8_checkpoint_is_refused(rtn_dir, tmp_path, capsys):
+    from kvfleet_server.cli import main as server_main
+
     with pytest.raises(UnsupportedFeatureError, match="quantization='int8' for .* whose weights are already fp8"):
         llm(rtn_dir, quantization="int8", dtype="bfloat16")
+    assert server_main(["--model", rtn_dir, "--quantization", "int4"]) == 2  # before any weight is read
+    err = capsys.readouterr().err
+    assert "quantization='int4'" in err and "pass --quantization fp8 or none" in err
     assert quantize_main(["--model", rtn_dir, "--output", str(tmp_path / "again")]) == 2
     assert "is already quantized (fp8)" in capsys.readouterr().err
 

@@ -23,7 +23,7 @@ from . import MODEL_REGISTRY, ModelConfig
 from .config import SUPPORTED_ARCHITECTURES
 from .layers.linear import Linear
 from .layers.quant import QuantConfig
-from .layers.quant.checkpoint import checkpoint_quantization
+from .layers.quant.checkpoint import check_quantization_flag, checkpoint_quantization
 from .layers.quant.gguf import PACKED_TYPES, GGUFTensor
 
 logger = logging.getLogger(__name__)
@@ -481,12 +481,8 @@ def load_model(path: str, dtype: torch.dtype, device: str, max_positions: int | 
             f"not supported yet: architecture {cfg.architecture}; expected one of {list(SUPPORTED_ARCHITECTURES)}"
         )
     _check_shapes(cfg, params)
+    check_quantization_flag(quantization, cfg.checkpoint_quantization, path)
     serialized = cfg.checkpoint_quantization is not None
-    if serialized and quantization not in (None, cfg.checkpoint_quantization):
-        raise UnsupportedFeatureError(
-            f"not supported: quantization={quantization!r} for {path!r}, whose weights are already "
-            f"{cfg.checkpoint_quantization} (quantization_config in config.json): pass --quantization "
-            f"{cfg.checkpoint_quantization} or none")
     method = cfg.checkpoint_quantization if serialized else quantization
     model = _build(cfg, dtype, device, QuantConfig(method, dtype, serialized), tp)
     _load_weights(model, params)

@@ -44,6 +44,15 @@ def checkpoint_quantization(hf_config: dict, path: str) -> str | None:
     _refuse(path, f"quantization_config.quant_method={fmt!r} is not supported")
 
 
+def check_quantization_flag(flag: str | None, stored: str | None, path: str) -> None:
+    """Raise UnsupportedFeatureError naming ``--quantization`` when it asks for another method than the
+    one the checkpoint's weights are stored in (``stored``, from ``checkpoint_quantization``)."""
+    if stored is not None and flag not in (None, stored):
+        raise UnsupportedFeatureError(
+            f"not supported: quantization={flag!r} for {path!r}, whose weights are already {stored} "
+            f"(quantization_config in config.json): pass --quantization {stored} or none")
+
+
 def _check_compressed_tensors(qc: dict, path: str) -> None:
     if qc.get("format") != "float-quantized":
         _refuse(path, f"compressed-tensors format={qc.get('format')!r} is not supported (only 'float-quantized': "
