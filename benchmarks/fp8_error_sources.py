@@ -196,7 +196,8 @@ def main(argv=None) -> int:
         for n, m in linears:
             m.weight.data.copy_(original[n])
         hess = collect_hessians(llm, fixed_windows(calib_ids, 512, min(4, len(calib_ids) // 512)))
-        return {n: (lambda w, n=n: _gptq_fp8(w, hess[n])) for n, _ in linears}
+        # decoder projections only (an untied lm_head is not calibrated: it rounds to nearest)
+        return {n: (lambda w, n=n: _gptq_fp8(w, hess[n])) if n in hess else _engine_fp8 for n, _ in linears}
 
     def score():
         layer_scales.clear()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -19,7 +20,9 @@ from kvfleet_server.errors import UnsupportedFeatureError
 from kvfleet_server.model.layers.quant.fp8 import quantize_per_channel_fp8
 from kvfleet_server.quantize.cli import main as quantize_main
 from kvfleet_server.quantize.gptq import gptq_fp8, output_error
+from kvfleet_server.quantize.writer import fp8_dynamic_quantization_config
 
+FP8_DYNAMIC = fp8_dynamic_quantization_config()
 PROMPTS = [[5, 17, 923, 4410, 88, 120, 301, 7, 7, 9], [11, 12, 13], list(range(300, 340))]
 
 
@@ -137,6 +140,15 @@ def load_file_all(d: str) -> dict[str, torch.Tensor]:
       "ignore": ["lm_head"]}, r"weights.strategy='block'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, r"weight_block_size=\[128, 128\]"),
     ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq' is not supported"),
+    # compressed-tensors keys kvfleet would not honour are refused, never ignored
+    ({**FP8_DYNAMIC, "transform_config": {"config_groups": {}}}, "transform_config is not supported"),
+    ({**FP8_DYNAMIC, "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]},
+     r"ignore=\['model.layers.0.mlp.down_proj'\]: decoder projections left in float"),
+    ({**FP8_DYNAMIC, "config_groups": {"group_0": {**FP8_DYNAMIC["config_groups"]["group_0"],
+                                                   "targets": ["Linear", "Embedding"]}}},
+     r"targets=\['Linear', 'Embedding'\]"),
+    ({**FP8_DYNAMIC, "config_groups": [1]}, "config_groups is list, expected an object"),
+    ({"quant_method": "fp8", "ignored_layers": ["model.layers.3.self_attn.o_proj"]}, "ignored_layers="),
 ])
 def test_other_quantized_checkpoints_are_refused_by_name(tiny_llama_dir, tmp_path, qc, match):
     d = tmp_path / "q"
@@ -158,6 +170,42 @@ def test_another_quantization_flag_on_an_fp8_checkpoint_is_refused(rtn_dir, tmp_
     assert "quantization='int4'" in err and "pass --quantization fp8 or none" in err
     assert quantize_main(["--model", rtn_dir, "--output", str(tmp_path / "again")]) == 2
     assert "is already quantized (fp8)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--calibration-tokens", "256"], r"--calibration-tokens \(256\) must be at least --calibration-window \(512\)"),
+    (["--calibration-window", "0"], "which must be positive"),
+    (["--calibration-file", "SHORT"], "the calibration text .* has \\d+ tokens; at least --calibration-window 512"),
+    (["--output-is-source"], "is the --model directory"),
+    (["--output-has-weights"], "already holds weights"),
+])
+def test_kvfleet_quantize_refuses_bad_flags_before_calibrating(tiny_llama_dir, tmp_path, capsys, extra, match):
+    out = tmp_path / "out"
+    if extra == ["--calibration-file", "SHORT"]:
+        (tmp_path / "short.txt").write_text("too short to calibrate on")
+        extra = ["--calibration-file", str(tmp_path / "short.txt")]
+    elif extra == ["--output-is-source"]:
+        out, extra = tiny_llama_dir, []
+    elif extra == ["--output-has-weights"]:
+        out.mkdir()
+        (out / "model.safetensors.index.json").write_text("{}")
+        extra = []
+    assert quantize_main(["--model", tiny_llama_dir, "--output", str(out), *extra]) == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_float8_tensors_outside_the_projections_or_in_another_format_are_refused(rtn_dir, tmp_path):
+    for name, dtype, match in [("lm_head.weight", torch.float8_e4m3fn, "lm_head.weight has dtype F8_E4M3: float8 "
+                                "is supported only for the decoder projections"),
+                               ("model.layers.0.mlp.up_proj.weight", torch.float8_e5m2,
+                                "layers.0.gate_up_proj.weight of an FP8 checkpoint has dtype F8_E5M2")]:
+        d = tmp_path / name
+        shutil.copytree(rtn_dir, d)
+        t = load_file(str(d / "model.safetensors"))
+        t[name] = t[name].float().to(dtype)
+        save_file(t, str(d / "model.safetensors"))
+        with pytest.raises(ValueError, match=match):
+            llm(str(d))
 
 
 def test_kvfleet_server_serves_the_checkpoint_to_the_openai_client(rtn_dir, tmp_path):

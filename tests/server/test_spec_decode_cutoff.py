@@ -95,6 +95,31 @@ def test_draft_costs_follow_the_weights_read(tiny_engine_factory):
     assert VERIFY_COST["cpu"] < DraftGate.MIN_ACCEPTANCE
 
 
+def test_a_gguf_drafts_config_is_read_from_its_header_alone(gguf_path, monkeypatch):
+    # the draft's cost is known without reading a tensor: no GGUF cache entry, no weights
+    from kvfleet_server.model import gguf_cache, loader
+
+    want = loader.GGUFModelFile(gguf_path).config
+
+    def no_tensors(*a, **kw):
+        raise AssertionError("tensors were read")
+
+    monkeypatch.setattr(gguf_cache, "load", no_tensors)
+    monkeypatch.setattr(loader, "read_gguf_tensors", no_tensors)
+    assert load_model_config(gguf_path) == want
+
+
+def test_an_fp8_drafts_cost_counts_its_stored_bytes(tiny_llama_dir, tmp_path):
+    from kvfleet_server.quantize.cli import main as quantize_main
+
+    out = str(tmp_path / "fp8")
+    assert quantize_main(["--model", tiny_llama_dir, "--output", out, "--rounding", "rtn"]) == 0
+    model, _ = load_model(out, torch.bfloat16, "cpu")
+    cfg = load_model_config(out)
+    assert cfg.checkpoint_quantization == "fp8"
+    assert config_read_bytes(cfg, 2) == decode_read_bytes(model) < config_read_bytes(load_model_config(tiny_llama_dir), 2)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_draft_models_cost_is_known_from_its_config_before_loading(fixture, dtype, request):

@@ -109,7 +109,7 @@ class DraftGate:
     Speculating pays when the fraction a of drafts accepted beats the break-even rate
     ``min_acceptance`` = draft_cost + verify_cost: a step with k drafts emits 1 + a·k tokens for about
     1 + k·(draft_cost + verify_cost) decode steps' worth of time (proposing a draft, and one more row
-    in the target's pass, each relative to a decode step; ``Proposer.draft_cost``, ``VERIFY_COST``).
+    in the target's pass, each relative to a decode step; ``spec_decode.draft_cost``, ``VERIFY_COST``).
     The gate tracks an exponential moving average of a; when it falls below ``min_acceptance`` (the
     engine passes the break-even, at least ``MIN_ACCEPTANCE``, or speculative_config.min_acceptance;
     0 never cuts off; at 1 or more the engine does not speculate at all) the sequence decodes without

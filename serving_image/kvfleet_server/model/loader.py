@@ -64,7 +64,9 @@ class LazyTensor:
 
     def __init__(self, handle, name: str):
         self._handle, self.name = handle, name
-        self.shape = tuple(handle.get_slice(name).get_shape())
+        sl = handle.get_slice(name)
+        self.shape = tuple(sl.get_shape())
+        self.dtype_name = sl.get_dtype()  # safetensors' name: "F32", "BF16", "F8_E4M3", …
 
     def dim(self) -> int:
         return len(self.shape)
@@ -145,13 +147,37 @@ def hf_to_kvfleet(cfg: ModelConfig, t: dict[str, torch.Tensor]) -> dict[str, lis
             layer.update(qb=get(a + "q_proj.bias"), kb=get(a + "k_proj.bias"), vb=get(a + "v_proj.bias"))
         out.update(_layer_params(i, layer))
         if cfg.checkpoint_quantization == "fp8":  # each projection's weight_scale, in the fused order
-            for fused, names in _FUSED_HF.items():
+            for fused, names in FUSED_HF_PROJECTIONS.items():
                 out[f"layers.{i}.{fused}.weight_scale"] = [get(p + n + ".weight_scale") for n in names]
+    _check_fp8_dtypes(cfg, out)
     return out
 
 
+def _dtype_name(t) -> str:
+    """safetensors' dtype name of a checkpoint tensor ("F8_E4M3", "F32", …)."""
+    if isinstance(t, LazyTensor):
+        return t.dtype_name
+    return {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}.get(t.dtype, str(t.dtype))
+
+
+def _check_fp8_dtypes(cfg: ModelConfig, params: dict[str, list]) -> None:
+    """An FP8 checkpoint's projection weights must be float8_e4m3fn, and no other tensor may be float8
+    (a float8 lm_head or embedding has no scale here). Raises ModelLoadError naming the tensor."""
+    fp8 = cfg.checkpoint_quantization == "fp8"
+    for name, shards in params.items():
+        want = fp8 and name.startswith("layers.") and name.endswith("_proj.weight")
+        for t in shards:
+            got = _dtype_name(t)
+            if want and got != "F8_E4M3":
+                raise ModelLoadError(f"tensor {name} of an FP8 checkpoint has dtype {got}, expected float8_e4m3fn "
+                                     "(F8_E4M3)")
+            if not want and got.startswith("F8"):
+                raise ModelLoadError(f"tensor {name} has dtype {got}: float8 is supported only for the decoder "
+                                     "projections of an FP8 checkpoint (with their weight_scale)")
+
+
 #: kvfleet's fused projections and the HF tensors they hold, in row order
-_FUSED_HF = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+FUSED_HF_PROJECTIONS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
              "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
              "down_proj": ("mlp.down_proj",)}
 
@@ -430,8 +456,8 @@ def load_model_config(path: str, gguf: GGUFModelFile | None = None) -> ModelConf
 
     ``gguf``: the already read GGUF file (``GGUFModelFile(path)``) to reuse instead of reading ``path`` again.
     """
-    if is_gguf(path):
-        return (gguf if gguf is not None else GGUFModelFile(path)).config
+    if is_gguf(path):  # without ``gguf``: the header only (no tensor is read, nor the GGUF cache's entry)
+        return gguf.config if gguf is not None else read_gguf_config(open_gguf(path))
     if os.path.isdir(path):
         return read_hf_config(path)
     raise ModelLoadError(f"expected a model directory with config.json or a .gguf file, got {path!r}")

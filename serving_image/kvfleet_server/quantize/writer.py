@@ -14,13 +14,14 @@ import shutil
 
 import torch
 
+from ..model.loader import FUSED_HF_PROJECTIONS
+
 #: HF projection names → the kvfleet projection whose inputs they see (the calibration's H)
-HF_PROJECTIONS = {"self_attn.q_proj": "qkv_proj", "self_attn.k_proj": "qkv_proj", "self_attn.v_proj": "qkv_proj",
-                  "self_attn.o_proj": "o_proj", "mlp.gate_proj": "gate_up_proj", "mlp.up_proj": "gate_up_proj",
-                  "mlp.down_proj": "down_proj"}
+HF_PROJECTIONS = {hf: fused for fused, names in FUSED_HF_PROJECTIONS.items() for hf in names}
 _WEIGHT = re.compile(r"model\.layers\.(\d+)\.(" + "|".join(re.escape(k) for k in HF_PROJECTIONS) + r")\.weight$")
 #: files of a checkpoint directory that are not copied (rewritten or replaced)
-_NOT_COPIED = re.compile(r".*\.safetensors$|model\.safetensors\.index\.json$|config\.json$|kvfleet_quantize\.json$")
+_NOT_COPIED = re.compile(r".*\.(safetensors|bin|pt|pth|gguf|h5|msgpack|ckpt)$|.*\.index\.json$|config\.json$|"
+                         r"kvfleet_quantize\.json$")
 
 
 def fp8_dynamic_quantization_config() -> dict:

@@ -16,6 +16,8 @@ refused by name.
 
 from __future__ import annotations
 
+import re
+
 from ....errors import UnsupportedFeatureError
 
 #: what kvfleet loads from a float checkpoint (quantized at load) — for the error message
@@ -26,20 +28,18 @@ _LOADS = ("kvfleet loads float (fp32/bf16/fp16) safetensors checkpoints (quantiz
 
 def checkpoint_quantization(hf_config: dict, path: str) -> str | None:
     """The quantization method a checkpoint's weights are stored in: None for a float checkpoint, "fp8"
-    for a supported FP8 one. Raises UnsupportedFeatureError naming the format and the field otherwise."""
+    for a supported FP8 one. Raises UnsupportedFeatureError naming the format and the field otherwise
+    (an allow-list: a key kvfleet would not honour is refused, never ignored)."""
     qc = hf_config.get("quantization_config")
     if not qc:
         return None
-    if not isinstance(qc, dict):
-        _refuse(path, "quantization_config is not an object")
+    qc = _obj(qc, "quantization_config", path)
     fmt = str(qc.get("quant_method") or qc.get("format") or "unknown")
     if fmt == "compressed-tensors":
         _check_compressed_tensors(qc, path)
         return "fp8"
     if fmt == "fp8":
-        if qc.get("weight_block_size"):
-            _refuse(path, f"quant_method='fp8' with weight_block_size={qc['weight_block_size']} (block-wise FP8 "
-                          "scales) is not supported yet; per-tensor and per-channel scales are")
+        _check_vllm_fp8(qc, path)
         return "fp8"
     _refuse(path, f"quantization_config.quant_method={fmt!r} is not supported")
 
@@ -53,36 +53,84 @@ def check_quantization_flag(flag: str | None, stored: str | None, path: str) -> 
             f"(quantization_config in config.json): pass --quantization {stored} or none")
 
 
+def _check_vllm_fp8(qc: dict, path: str) -> None:
+    """vLLM/AutoFP8 ``quant_method: "fp8"``: per-tensor e4m3 scales, every decoder projection in FP8."""
+    if qc.get("weight_block_size"):
+        _refuse(path, f"quant_method='fp8' with weight_block_size={qc['weight_block_size']} (block-wise FP8 "
+                      "scales) is not supported yet; per-tensor and per-channel scales are")
+    if qc.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+        _refuse(path, f"quantization_config.activation_scheme={qc['activation_scheme']!r} (expected 'dynamic' "
+                      "or 'static')")
+    for key in ("ignored_layers", "modules_to_not_convert"):
+        _check_ignore(qc.get(key), f"quantization_config.{key}", path)
+
+
 def _check_compressed_tensors(qc: dict, path: str) -> None:
+    """compressed-tensors: FP8 weights (channel or tensor scales) on every decoder Linear, nothing else."""
     if qc.get("format") != "float-quantized":
         _refuse(path, f"compressed-tensors format={qc.get('format')!r} is not supported (only 'float-quantized': "
                       "FP8 weights)")
-    groups = qc.get("config_groups") or {}
+    for key in ("transform_config", "sparsity_config"):
+        sub = qc.get(key)
+        if sub and not (key == "sparsity_config" and _obj(sub, key, path).get("format") == "dense"):
+            _refuse(path, f"compressed-tensors {key} is not supported (rotations and sparse layouts are not built)")
+    kv = qc.get("kv_cache_scheme")
+    if kv and (_obj(kv, "kv_cache_scheme", path).get("type") != "float" or kv.get("num_bits") != 8):
+        _refuse(path, f"compressed-tensors kv_cache_scheme type={kv.get('type')!r}, num_bits={kv.get('num_bits')!r} "
+                      "is not supported (only 8-bit float KV-cache scales)")
+    groups = _obj(qc.get("config_groups") or {}, "config_groups", path)
     if not groups:
         _refuse(path, "compressed-tensors quantization_config has no config_groups")
     for name, g in groups.items():
-        w = (g or {}).get("weights") or {}
-        where = f"compressed-tensors config_groups.{name}.weights"
+        where = f"compressed-tensors config_groups.{name}"
+        g = _obj(g, where, path)
+        if g.get("targets") != ["Linear"]:
+            _refuse(path, f"{where}.targets={g.get('targets')!r}: only ['Linear'] is supported")
+        if g.get("format") not in (None, "float-quantized"):
+            _refuse(path, f"{where}.format={g.get('format')!r} is not supported (only 'float-quantized')")
+        if g.get("output_activations"):
+            _refuse(path, f"{where}.output_activations is not supported")
+        w = _obj(g.get("weights") or {}, where + ".weights", path)
         if w.get("type") != "float" or w.get("num_bits") != 8:
-            _refuse(path, f"{where}: type={w.get('type')!r}, num_bits={w.get('num_bits')!r} is not supported "
-                          "(only 8-bit float weights)")
+            _refuse(path, f"{where}.weights: type={w.get('type')!r}, num_bits={w.get('num_bits')!r} is not "
+                          "supported (only 8-bit float weights)")
         if w.get("strategy") not in ("channel", "tensor") or w.get("symmetric") is False:
-            _refuse(path, f"{where}.strategy={w.get('strategy')!r} (symmetric={w.get('symmetric')!r}) is not "
+            _refuse(path, f"{where}.weights.strategy={w.get('strategy')!r} (symmetric={w.get('symmetric')!r}) is not "
                           "supported (only symmetric 'channel' or 'tensor' scales)")
-        if "Linear" not in (g.get("targets") or []):
-            _refuse(path, f"compressed-tensors config_groups.{name}.targets={g.get('targets')!r}: only groups "
-                          "that target 'Linear' are supported")
+        for key in ("dynamic", "group_size", "block_structure"):
+            if w.get(key):
+                _refuse(path, f"{where}.weights.{key}={w[key]!r} is not supported (static per-channel or "
+                              "per-tensor weight scales only)")
         a = g.get("input_activations")
-        if a and (a.get("type") != "float" or a.get("num_bits") != 8):
-            _refuse(path, f"compressed-tensors config_groups.{name}.input_activations: type={a.get('type')!r}, "
-                          f"num_bits={a.get('num_bits')!r} is not supported (only 8-bit float or none)")
-    ignore = list(qc.get("ignore") or [])
-    if "lm_head" not in ignore:
+        if a and (_obj(a, where + ".input_activations", path).get("type") != "float" or a.get("num_bits") != 8):
+            _refuse(path, f"{where}.input_activations: type={a.get('type')!r}, num_bits={a.get('num_bits')!r} is "
+                          "not supported (only 8-bit float or none)")
+    ignore = qc.get("ignore") or []
+    if not any(_matches(e, "lm_head") for e in ignore):
         _refuse(path, "compressed-tensors checkpoints with a quantized lm_head are not supported (expected "
                       "'lm_head' in ignore)")
-    if set(ignore) - {"lm_head", "model.embed_tokens"}:
-        _refuse(path, f"compressed-tensors ignore={ignore}: decoder projections left in float among FP8 ones are "
-                      "not supported (every decoder Linear must be FP8)")
+    _check_ignore(ignore, "compressed-tensors ignore", path)
+
+
+def _matches(entry: str, name: str) -> bool:
+    """compressed-tensors' module matching: a name, its last component, or ``re:<regex>``."""
+    if entry.startswith("re:"):
+        return re.fullmatch(entry[3:], name) is not None
+    return entry == name or name.endswith("." + entry)
+
+
+def _check_ignore(ignore, where: str, path: str) -> None:
+    """Every entry may name only the lm_head or the embedding: decoder projections are all FP8."""
+    others = [e for e in ignore or [] if not any(_matches(str(e), n) for n in ("lm_head", "model.embed_tokens"))]
+    if others:
+        _refuse(path, f"{where}={others}: decoder projections left in float among FP8 ones are not supported "
+                      "(every decoder Linear must be FP8)")
+
+
+def _obj(x, where: str, path: str) -> dict:
+    if not isinstance(x, dict):
+        _refuse(path, f"{where} is {type(x).__name__}, expected an object")
+    return x
 
 
 def _refuse(path: str, why: str):

@@ -60,6 +60,8 @@ class Fp8LinearMethod(PerChannelQuantMethod):
         self.uses_row_absmax = not serialized  # the checkpoint's scales, not the rows' absmax
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        """Serialized: ``weight`` [N, K] float8_e4m3fn (the checkpoint's codes, cut per rank like a float
+        weight) and ``weight_scale`` [N] float32 (``_scale_loader``); else the float weight to quantize."""
         if not self.serialized:
             return super().create_weights(layer, input_size, output_sizes, params_dtype)
         n = sum(output_sizes)
