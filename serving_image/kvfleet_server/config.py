@@ -251,10 +251,10 @@ class EngineConfig:
         matmuls; ``quantization="gguf"`` with float32 keeps it packed and dequantizes per matmul)."""
         if self.quantization is not None:
             return self.quantization
-        path = self.resolved_model()
-        if os.path.isfile(os.path.join(path, "config.json")):  # an FP8 checkpoint runs the fp8 method
-            return self.checkpoint_quantization()
-        packed = path.endswith(".gguf") and self.dtype != "float32"
+        stored = self.checkpoint_quantization()  # an FP8 checkpoint runs the fp8 method
+        if stored is not None:
+            return stored
+        packed = self.resolved_model().endswith(".gguf") and self.dtype != "float32"
         return "gguf" if packed else None
 
     def checkpoint_quantization(self) -> str | None:

@@ -83,7 +83,8 @@ def test_gqa_8_2_at_tp_2_and_4_matches_tp_1(heads_8_2):
 
 def test_an_fp8_checkpoint_shards_with_its_scales(heads_8_2, tmp_path):
     """A serialized FP8 checkpoint (kvfleet-quantize): each rank cuts the stored codes and their
-    per-channel scales; row-parallel layers keep the checkpoint's scales (no absmax of their own)."""
+    per-channel scales (column-parallel: the scales follow their rows; row-parallel: every rank keeps
+    the whole rows' scales), giving TP = 1's logits and tokens."""
     from kvfleet_server.quantize.cli import main as quantize_main
 
     out = str(tmp_path / "fp8")
