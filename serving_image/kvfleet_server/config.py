@@ -165,7 +165,7 @@ class EngineConfig:
                    "flag — and GGUF files)" if q in UNSUPPORTED_QUANTIZED_FORMATS else "")
             raise UnsupportedFeatureError(
                 f"not supported: quantization={q!r}{why}; expected one of {list(QUANTIZATION_CHOICES)}")
-        from .model.layers.quant.checkpoint import check_quantization_flag
+        from .checkpoint_quantization import check_quantization_flag
 
         check_quantization_flag(q, self.checkpoint_quantization(), self.resolved_model())
         if q == "gguf" and self.model and self.model.lower() not in BUNDLED_MODEL_ALIASES \
@@ -246,7 +246,7 @@ class EngineConfig:
 
     def resolved_quantization(self) -> str | None:
         """The quantization method that runs: ``quantization``; else the checkpoint's own ("fp8" for an FP8
-        checkpoint, see ``model/layers/quant/checkpoint.py``), or "gguf" (packed) for a .gguf model file
+        checkpoint, see ``checkpoint_quantization.py``), or "gguf" (packed) for a .gguf model file
         unless ``dtype`` asks for float32, which dequantizes the file to float32 as before (exact, dense
         matmuls; ``quantization="gguf"`` with float32 keeps it packed and dequantizes per matmul)."""
         if self.quantization is not None:
@@ -260,8 +260,8 @@ class EngineConfig:
     def checkpoint_quantization(self) -> str | None:
         """The method the model directory's weights are stored in ("fp8" for an FP8 checkpoint; None for
         float weights, a .gguf file or no config.json). Raises UnsupportedFeatureError naming any other
-        ``quantization_config`` (``model/layers/quant/checkpoint.py``)."""
-        from .model.layers.quant.checkpoint import checkpoint_quantization
+        ``quantization_config`` (``checkpoint_quantization.py``)."""
+        from .checkpoint_quantization import checkpoint_quantization
 
         path = self.resolved_model()
         try:

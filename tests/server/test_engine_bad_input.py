@@ -82,6 +82,20 @@ def test_prompt_larger_than_pool(tiny_engine_factory):
     assert run_to_completion(eng)["fits"].outputs[0].finish_reason == "length"
 
 
+def test_n_above_max_num_seqs_is_refused_instead_of_blocking_the_queue(tiny_engine_factory):
+    # its n sequences start together: such a request could never be admitted and would hold up every
+    # request behind it (a hang the fuzzing suite found: n=54 with --max-num-seqs 16)
+    eng = tiny_engine_factory(max_num_seqs=4)
+    with pytest.raises(InvalidRequestError, match=r"n must be at most 4 \(max_num_seqs\), got 5") as e:
+        eng.add_request("wide", [3, 4, 5], SamplingParams(n=5, max_tokens=2))
+    assert e.value.param == "n"
+    eng.add_request("four", [3, 4, 5], SamplingParams(n=4, temperature=1.0, max_tokens=2))
+    eng.add_request("next", [6, 7], SamplingParams(temperature=0, max_tokens=2))
+    out = run_to_completion(eng)
+    assert len(out["four"].outputs) == 4 and len(out["next"].outputs[0].token_ids) == 2
+    assert_all_blocks_free(eng)
+
+
 def test_max_tokens_none_fills_to_max_model_len(eng):
     eng.add_request("fill", [7] * 90, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
     out = run_to_completion(eng)["fill"].outputs[0]

@@ -257,13 +257,17 @@ class LLMEngine:
         """Validate and queue a request.
 
         Raises:
-            InvalidRequestError: duplicate id, empty prompt, token ids outside the vocabulary, bad params.
+            InvalidRequestError: duplicate id, empty prompt, token ids outside the vocabulary, bad params, n above
+                max_num_seqs (its sequences are admitted together).
             PromptTooLongError: prompt + max_tokens > max_model_len, or a prompt the pool can never hold.
         """
         params = params if params is not None else SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         params.validate()
+        if params.n > self.config.max_num_seqs:  # its n sequences are admitted together: it could never start
+            raise InvalidRequestError(f"n must be at most {self.config.max_num_seqs} (max_num_seqs), got {params.n}",
+                                      param="n")
         limit = self.config.max_logprobs if self.config.max_logprobs >= 0 else self.model_config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > limit:

@@ -23,7 +23,7 @@ class ModelConfig:
         attention_bias: q/k/v projections carry a bias (True for Qwen2).
         eos_token_ids: token ids that end generation (config's eos_token_id, int or list).
         checkpoint_quantization: None for float weights, "fp8" when the checkpoint stores the decoder
-            projections in FP8 (config.json's quantization_config; ``layers/quant/checkpoint.py``).
+            projections in FP8 (config.json's quantization_config; ``kvfleet_server/checkpoint_quantization.py``).
     """
 
     architecture: str

@@ -23,7 +23,7 @@ from . import MODEL_REGISTRY, ModelConfig
 from .config import SUPPORTED_ARCHITECTURES
 from .layers.linear import Linear
 from .layers.quant import QuantConfig
-from .layers.quant.checkpoint import check_quantization_flag, checkpoint_quantization
+from ..checkpoint_quantization import check_quantization_flag, checkpoint_quantization
 from .layers.quant.gguf import PACKED_TYPES, GGUFTensor
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 as float8_e4m3fn with its per-output-channel ``weight_scale`` [N, 1] float32, everything else (embedding,
 norms, lm_head, biases) copied unchanged, in compressed-tensors' ``FP8_DYNAMIC`` layout
 (``format: float-quantized``, dynamic per-token activation scales, ``lm_head`` ignored): what
-llm-compressor writes and vLLM and kvfleet load (``model/layers/quant/checkpoint.py``).
+llm-compressor writes and vLLM and kvfleet load (``checkpoint_quantization.py``).
 """
 
 from __future__ import annotations

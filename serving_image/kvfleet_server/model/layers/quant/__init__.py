@@ -7,7 +7,7 @@
 - "gguf": every Linear, the lm_head and the embedding keep their GGUF encoding (``gguf.py``).
 
 Checkpoints already quantized: FP8 ones are loaded as they are stored (``QuantConfig(..., serialized=True)``),
-other formats are refused by name (``checkpoint.checkpoint_quantization``).
+other formats are refused by name (``kvfleet_server.checkpoint_quantization``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class QuantConfig:
         method: None or one of QUANTIZATION_METHODS.
         act_dtype: the model (activation) dtype.
         serialized: the checkpoint already stores the decoder Linears in ``method``'s format (an FP8
-            checkpoint: ``checkpoint.checkpoint_quantization``), loaded as they are instead of quantized.
+            checkpoint: ``kvfleet_server.checkpoint_quantization``), loaded as they are instead of quantized.
     """
 
     def __init__(self, method: str | None, act_dtype: torch.dtype, serialized: bool = False):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 
-from ....errors import UnsupportedFeatureError
+from .errors import UnsupportedFeatureError
 
 #: what kvfleet loads from a float checkpoint (quantized at load) — for the error message
 _LOADS = ("kvfleet loads float (fp32/bf16/fp16) safetensors checkpoints (quantized at load with --quantization "
