@@ -178,8 +178,8 @@ def _check_fp8_dtypes(cfg: ModelConfig, params: dict[str, list]) -> None:
 
 #: kvfleet's fused projections and the HF tensors they hold, in row order
 FUSED_HF_PROJECTIONS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-             "down_proj": ("mlp.down_proj",)}
+                        "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                        "down_proj": ("mlp.down_proj",)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,8 +424,9 @@ def _shape(shards: list) -> tuple[int, ...]:
     return (sum(s[0] for s in shapes), *shapes[0][1:]) if len({s[1:] for s in shapes}) == 1 else tuple(shapes)
 
 
-def _check_shapes(cfg: ModelConfig, params: dict[str, list]) -> None:
-    """Compare each source tensor with what the architecture expects (shapes given in HF [out, in])."""
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """kvfleet parameter name → the shape the architecture gives it ([out, in] for weights; fused layers
+    whole), every parameter of an unquantized model: embedding, lm_head (untied), norms, projections, biases."""
     d, hd = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     expected = {"embed_tokens.weight": (cfg.vocab_size, d), "norm.weight": (d,)}
@@ -441,7 +442,13 @@ def _check_shapes(cfg: ModelConfig, params: dict[str, list]) -> None:
         })
         if cfg.attention_bias:
             expected[pre + "qkv_proj.bias"] = (q + 2 * kv,)
-    for name, shape in expected.items():
+    return expected
+
+
+def _check_shapes(cfg: ModelConfig, params: dict[str, list]) -> None:
+    """Compare each source tensor with what the architecture expects (``expected_shapes``)."""
+    d, hd = cfg.hidden_size, cfg.head_dim
+    for name, shape in expected_shapes(cfg).items():
         got = _shape(params[name])
         if got != shape:
             raise ModelLoadError(

@@ -14,8 +14,8 @@ def draft_cost(cfg: SpeculativeConfig, target, target_config, dtype, max_model_l
     """Cost of proposing one draft token relative to one target decode step, as weight bytes read
     (decode is memory-bound): 0 for n-gram lookup, (first L layers + head) / (all layers + head) for
     layer_skip, draft / target for a draft model — the draft's from its architecture config at the
-    model dtype (FP8 checkpoints at their stored bytes), before any draft weight is loaded, so that a draft no acceptance rate pays for is
-    never loaded (the acceptance cut-off: engine/scheduler.py DraftGate).
+    model dtype (FP8 checkpoints at their stored bytes), before any draft weight is loaded, so that a
+    draft no acceptance rate pays for is never loaded (the acceptance cut-off: engine/scheduler.py DraftGate).
 
     Raises ValueError naming the speculative_config key when the draft does not fit the target
     (layer count, vocabulary, context length); ModelLoadError when the draft model cannot be read.

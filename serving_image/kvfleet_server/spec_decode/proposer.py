@@ -8,6 +8,7 @@ Leviathan et al. 2023, Chen et al. 2023).
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -70,18 +71,22 @@ def decode_read_bytes(model: torch.nn.Module, num_layers: int | None = None) -> 
 
 def config_read_bytes(cfg, itemsize: int) -> int:
     """What ``decode_read_bytes`` gives for a model of ``cfg`` (a ModelConfig) loaded with ``itemsize``-byte
-    float weights, computed from the architecture config alone — before any weight is loaded. Per layer:
-    two RMSNorm weights, fused q/k/v (and its bias when ``attention_bias``), o, gate/up and down; then the
-    final norm and the LM head (or the tied embedding: the same [vocab, hidden] shape). An FP8 checkpoint
-    (``cfg.checkpoint_quantization == "fp8"``) stores the projections as 1-byte codes plus one float32
-    scale per output row."""
-    h, hd, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    qkv_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * hd
-    proj_in_out = [(h, qkv_out), (cfg.num_attention_heads * hd, h), (h, 2 * i), (i, h)]  # [K, N] per projection
+    float weights, from the architecture's parameter shapes alone (``loader.expected_shapes``) — before any
+    weight is loaded: every parameter but the embedding, which only a tied model reads (as its LM head).
+    An FP8 checkpoint (``cfg.checkpoint_quantization == "fp8"``) stores the decoder projections as 1-byte
+    codes plus one float32 scale per output row."""
+    from ..model.loader import expected_shapes
+
     fp8 = cfg.checkpoint_quantization == "fp8"
-    proj = sum(k * n * (1 if fp8 else itemsize) + (4 * n if fp8 else 0) for k, n in proj_in_out)
-    floats = 2 * h + (qkv_out if cfg.attention_bias else 0)
-    return cfg.num_hidden_layers * (proj + itemsize * floats) + itemsize * (h + cfg.vocab_size * h)
+    total = 0
+    for name, shape in expected_shapes(cfg).items():
+        if name == "embed_tokens.weight" and not cfg.tie_word_embeddings:
+            continue
+        if fp8 and name.startswith("layers.") and name.endswith("_proj.weight"):
+            total += math.prod(shape) + 4 * shape[0]
+        else:
+            total += itemsize * math.prod(shape)
+    return total
 
 
 class Proposer(ABC):

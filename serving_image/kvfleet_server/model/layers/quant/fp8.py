@@ -15,8 +15,8 @@ Following vLLM's Fp8LinearMethod for unquantized checkpoints (dynamic scheme), w
 instead of per-tensor weight scales.
 
 A checkpoint already in FP8 (``serialized``: compressed-tensors float-quantized, e.g. ``kvfleet-quantize``'s
-GPTQ rounding, or vLLM's per-tensor ``fp8``; see ``kvfleet_server/checkpoint_quantization.py``) is loaded as stored: ``weight``
-[N, K] float8_e4m3fn and ``weight_scale`` — [rows, 1] / [rows] per channel, or one value per checkpoint
+GPTQ rounding, or vLLM's per-tensor ``fp8``; see ``kvfleet_server/checkpoint_quantization.py``) is loaded as
+stored: ``weight`` [N, K] float8_e4m3fn and ``weight_scale`` — [rows, 1] / [rows] per channel, or one value per checkpoint
 tensor, which becomes that shard's rows' scale (exact: fused q/k/v and gate/up keep their own scales) —
 then served by the same kernels.
 """
