@@ -7,14 +7,16 @@ speculation, side by side in one run, per method, at concurrency 1 and 8, on two
 
 Greedy decoding until EOS or ``--max-tokens`` (the outputs with and without speculation are compared token
 for token), prompts in the model's own chat template (SmolLM2 adds its system prompt). For each row
-the plain and the speculative engine run alternately ``--reps`` times on the same prompts (prefix cache
-reset before each run, so both pay the same prefills); the table reports the median tokens/s of each,
-their ratio (and the ratio of decode-only tokens/s: steps that computed no prompt token), the mean
+the plain and the speculative engine run in adjacent pairs on the same prompts, ``--reps`` pairs or more
+until each engine ran ``--min-seconds`` (at most 4 × reps), an even number, every other pair speculative
+first (ABBA, so order effects cancel; prefix cache reset before each run, so both pay the same prefills); the table
+reports the median tokens/s of each, the median of the pairs' ratios (and of their decode-only tokens/s
+ratios: steps that computed no prompt token), the mean
 acceptance length (tokens emitted per verification, bonus token included) and the
 draft acceptance rate. JSON goes to benchmarks/results/spec_decode.json.
 
-    python benchmarks/spec_decode.py                   # every method, 3 reps, up to 128 output tokens
-    python benchmarks/spec_decode.py --quick           # 1 rep, up to 32 output tokens
+    python benchmarks/spec_decode.py                   # every method, 4-12 pairs per row, up to 128 tokens
+    python benchmarks/spec_decode.py --quick           # 2 pairs per row, up to 32 output tokens
     python benchmarks/spec_decode.py --methods ngram --reps 5
 """
 
@@ -134,22 +136,27 @@ def run(eng, prompts: list[str], concurrency: int, max_tokens: int, tag: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3, help="pairs of runs per row, at least (rounded up to even)")
+    ap.add_argument("--min-seconds", type=float, default=30.0,
+                    help="more pairs of runs (up to 4x --reps) until each engine ran a row this long")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--num-prompts-c1", type=int, default=8, help="prompts run one at a time at concurrency 1")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--break-even-floor", action="store_true",
-                    help="pin every method's acceptance cut-off at the 0.3 floor (no cost model): what a method's "
+                    help="pin every method's acceptance cut-off at the floor, DraftGate.MIN_ACCEPTANCE (not the break-even): what a method's "
                          "drafts do when they are verified, not whether they pay")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "spec_decode.json"))
     args = ap.parse_args()
     if args.quick:
-        args.reps, args.max_tokens = 1, 32
+        args.reps, args.max_tokens, args.min_seconds = 1, 32, 0.0
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
     torch.set_num_threads(args.threads)
     from kvfleet_server import EngineConfig, LLMEngine
+    from kvfleet_server.engine.scheduler import DraftGate
 
     base_kw = dict(dtype="float32", device="cpu", num_threads=args.threads, max_model_len=1024)
     plain = LLMEngine(EngineConfig(**base_kw))
@@ -160,7 +167,7 @@ def main() -> None:
     for name in args.methods:
         spec = dict(METHODS[name])
         if args.break_even_floor:
-            spec["min_acceptance"] = 0.3
+            spec["min_acceptance"] = DraftGate.MIN_ACCEPTANCE
         if spec.get("model") == "RANDOM":
             spec["model"] = random_draft_dir(os.path.join(os.path.dirname(args.out), ".random_draft"))
         eng = LLMEngine(EngineConfig(**base_kw, speculative_config=spec))
@@ -168,9 +175,17 @@ def main() -> None:
             for conc in args.concurrency:
                 ps = prompts[: args.num_prompts_c1] if conc == 1 else prompts[:conc]
                 a_rates, b_rates, a_dec, b_dec, same, stats = [], [], [], [], True, [0, 0, 0]
-                for r in range(args.reps):
-                    a, ad, a_out, *_ = run(plain, ps, conc, args.max_tokens, f"p{r}")
-                    b, bd, b_out, d, dt, acc = run(eng, ps, conc, args.max_tokens, f"s{r}")
+                r, secs = 0, {plain: 0.0, eng: 0.0}
+                # an even number of pairs, at least --reps, more (up to 4x) until each engine ran --min-seconds
+                while r < args.reps or r % 2 or (min(secs.values()) < args.min_seconds and r < 4 * args.reps):
+                    # ABBA: odd pairs run the speculative engine first, so order effects cancel
+                    res = {}
+                    for e in (plain, eng) if r % 2 == 0 else (eng, plain):
+                        t = time.perf_counter()
+                        res[e] = run(e, ps, conc, args.max_tokens, f"{'p' if e is plain else 's'}{r}")
+                        secs[e] += time.perf_counter() - t
+                    (a, ad, a_out, *_), (b, bd, b_out, d, dt, acc) = res[plain], res[eng]
+                    r += 1
                     a_rates.append(a)
                     b_rates.append(b)
                     a_dec.append(ad)
@@ -179,24 +194,33 @@ def main() -> None:
                     stats = [stats[0] + d, stats[1] + dt, stats[2] + acc]
                 pa, pb = statistics.median(a_rates), statistics.median(b_rates)
                 da, db = statistics.median(a_dec), statistics.median(b_dec)
+                # the ratio of each adjacent pair of runs, then their median (robust to the load drifting);
+                # a decode rate of 0 means no decode-only step was timed in that run
+                ratio = statistics.median(y / x for x, y in zip(a_rates, b_rates))
+                dec_pairs = [y / x for x, y in zip(a_dec, b_dec) if x and y]
+                dec_ratio = statistics.median(dec_pairs) if dec_pairs else None
                 row = dict(method=name, speculative_config=METHODS[name], workload=wname, concurrency=conc,
-                           plain_tok_s=round(pa, 2), spec_tok_s=round(pb, 2), ratio=round(pb / pa, 3),
+                           plain_tok_s=round(pa, 2), spec_tok_s=round(pb, 2), ratio=round(ratio, 3),
                            plain_decode_tok_s=round(da, 2), spec_decode_tok_s=round(db, 2),
-                           decode_ratio=round(db / da, 3) if da else None,
+                           decode_ratio=None if dec_ratio is None else round(dec_ratio, 3), pairs=r,
                            mean_acceptance_length=round(1 + stats[2] / stats[0], 3) if stats[0] else None,
                            draft_acceptance_rate=round(stats[2] / stats[1], 3) if stats[1] else None,
                            identical_outputs=same, plain_runs=[round(x, 2) for x in a_rates],
-                           spec_runs=[round(x, 2) for x in b_rates])
+                           spec_runs=[round(x, 2) for x in b_rates], plain_decode_runs=[round(x, 2) for x in a_dec],
+                           spec_decode_runs=[round(x, 2) for x in b_dec])
                 rows.append(row)
                 al = f"{row['mean_acceptance_length']:.2f}" if stats[0] else "-"
                 ar = f"{100 * row['draft_acceptance_rate']:.0f}" if stats[1] else "-"
-                print(f"{name:<20} {wname:<15} {conc:>4} {pa:>11.2f} {pb:>10.2f} {pb / pa:>6.2f} "
-                      f"{db / da if da else 0:>12.2f} {al:>10} {ar:>8} "
+                print(f"{name:<20} {wname:<15} {conc:>4} {pa:>11.2f} {pb:>10.2f} {ratio:>6.2f} "
+                      f"{'-' if dec_ratio is None else f'{dec_ratio:.2f}':>12} {al:>10} {ar:>8} "
                       f"{str(same):>5}", flush=True)
         del eng
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(command=" ".join(["python"] + sys.argv), reps=args.reps, max_tokens=args.max_tokens,
+        json.dump(dict(command=" ".join(["python"] + sys.argv), reps=args.reps, min_seconds=args.min_seconds,
+                       ratio="median over the pairs of runs of spec tok/s / plain tok/s (ABBA order)",
+                       min_acceptance_floor=DraftGate.MIN_ACCEPTANCE,
+                       max_tokens=args.max_tokens,
                        break_even_floor=args.break_even_floor,
                        threads=args.threads, rows=rows), f, indent=1)
     print(f"wrote {args.out}")

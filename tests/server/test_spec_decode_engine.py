@@ -21,7 +21,7 @@ PER_BLOCK = BS * 2 * 2 * 2 * 16 * 4  # tokens × (K, V) × layers × kv heads ×
 
 
 def _spec(method: str, draft_dir: str, k: int = 3) -> dict:
-    # the cut-off at the 30 % floor: on the tiny model a layer_skip / draft_model draft costs about a whole
+    # a 0.3 cut-off (not the cost model's): on the tiny model a layer_skip / draft_model draft costs about a whole
     # decode step, so the cost-aware break-even would switch speculation off (tests/server/test_spec_decode_cutoff.py)
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
             "layer_skip": {"method": "layer_skip", "num_speculative_tokens": k, "num_draft_layers": 1},

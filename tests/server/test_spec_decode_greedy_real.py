@@ -68,7 +68,7 @@ def plain(gguf_path):
 
 SPECS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
-    # the cut-off at the 30 % floor (the cost-aware one would switch these off on a CPU: see docs/spec_decode.md)
+    # a 0.3 cut-off (the cost-aware one would switch these off on a CPU: see docs/spec_decode.md)
     "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "num_draft_layers": 24, "min_acceptance": 0.3},
     "draft_model": {"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 3, "min_acceptance": 0.3},
 }

@@ -37,7 +37,7 @@ class SpeculativeConfig:
         disable_by_batch_size: a step with more running sequences than this does not speculate.
         min_acceptance: kvfleet's key (no vLLM equivalent): the acceptance rate below which a sequence
             stops drafting for a back-off (engine/scheduler.py DraftGate), in [0, 1]; None = the break-even
-            of the method's cost on the device (at least 0.3); 0 = always speculate.
+            of the method's cost on the device (at least DraftGate.MIN_ACCEPTANCE, 0.15); 0 = always speculate.
     """
 
     method: str
