@@ -13,7 +13,7 @@ from kvfleet_server.engine.scheduler import DraftGate
 from kvfleet_server.model.loader import load_model, load_model_config
 from kvfleet_server.spec_decode import draft_cost
 from kvfleet_server.spec_decode.config import SpeculativeConfig
-from kvfleet_server.spec_decode.proposer import VERIFY_COST, config_read_bytes, decode_read_bytes
+from kvfleet_server.spec_decode.proposer import VERIFY_COST, break_even_acceptance, config_read_bytes, decode_read_bytes
 
 from engine_helpers import assert_all_blocks_free, run_to_completion
 from spec_helpers import greedy_with_step_counts
@@ -299,3 +299,18 @@ def test_seeded_random_requests_get_no_drafts(tiny_engine_factory):
         eng.add_request(f"noise{i}", [20 + i] * 5, SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
     eng.add_request("batched", [11, 12, 13], p)
     assert run_to_completion(eng)["batched"].outputs[0].token_ids == alone["alone"].outputs[0].token_ids
+
+
+def test_drafts_that_pay_keep_the_gate_open_between_the_break_even_and_the_old_floor():
+    # n-gram on the CPU: break-even 0.1, cut-off at the floor. Verifications accepting 1 of 5 drafts (20 %)
+    # emit 2 tokens for about 1.5 steps' cost: they pay, so the sequence keeps drafting (the 0.3 floor of
+    # before closed it after two such verifications)
+    cut = max(DraftGate.MIN_ACCEPTANCE, break_even_acceptance(0.0, "cpu"))
+    gate = DraftGate(cut, token_cost=VERIFY_COST["cpu"])
+    for step in range(1, 21):
+        assert gate.open(step)
+        gate.update(step, 5, 1)
+    old = DraftGate(0.3, token_cost=VERIFY_COST["cpu"])
+    old.update(1, 5, 1)
+    old.update(2, 5, 1)
+    assert not old.open(3)
