@@ -88,8 +88,9 @@ def main() -> None:
         outs = [llm.generate(p, params)[0] for p in prompts]  # one at a time, as at concurrency 1
         seqs = [(o.prompt_token_ids, list(o.outputs[0].token_ids)) for o in outs]
         policies = [("no cut-off (always k)", lambda: None), ("oracle", lambda: "oracle")]
-        policies += [(f"floor {f:.2f} (cut-off {max(f, break_even):.2f})",
-                      lambda f=f: DraftGate(max(f, break_even), token_cost=break_even)) for f in args.floors]
+        policies += [(f"floor {f:.2f} (cut-off {DraftGate.cut_off(break_even, f):.2f})",
+                      lambda f=f: DraftGate(DraftGate.cut_off(break_even, f), token_cost=break_even))
+                     for f in args.floors]
         for label, make in policies:
             runs = [replay(list(p), o, make(), k, n_min, n_max, args.row_cost, args.max_tokens) for p, o in seqs]
             tokens, cost = sum(r[0] for r in runs), sum(r[1] for r in runs)

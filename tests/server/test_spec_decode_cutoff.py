@@ -305,7 +305,7 @@ def test_drafts_that_pay_keep_the_gate_open_between_the_break_even_and_the_old_f
     # n-gram on the CPU: break-even 0.1, cut-off at the floor. Verifications accepting 1 of 5 drafts (20 %)
     # emit 2 tokens for about 1.5 steps' cost: they pay, so the sequence keeps drafting (the 0.3 floor of
     # before closed it after two such verifications)
-    cut = max(DraftGate.MIN_ACCEPTANCE, break_even_acceptance(0.0, "cpu"))
+    cut = DraftGate.cut_off(break_even_acceptance(0.0, "cpu"))
     gate = DraftGate(cut, token_cost=VERIFY_COST["cpu"])
     for step in range(1, 21):
         assert gate.open(step)

@@ -188,7 +188,7 @@ class LLMEngine:
         model loaded, no memory in the KV pool, no work per step)."""
         sc = self.spec_config
         be = break_even_acceptance(cost, self.device)
-        cut = max(DraftGate.MIN_ACCEPTANCE, be) if sc.min_acceptance is None else sc.min_acceptance
+        cut = DraftGate.cut_off(be) if sc.min_acceptance is None else sc.min_acceptance
         # the draft length weighs each token at the break-even cost (an explicit cut-off below it
         # lowers it: min_acceptance 0 always verifies k drafts)
         token_cost = be if sc.min_acceptance is None else min(be, sc.min_acceptance)

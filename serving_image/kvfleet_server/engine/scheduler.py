@@ -156,6 +156,11 @@ class DraftGate:
         self.successes, self.failures = self.PRIOR
 
     @classmethod
+    def cut_off(cls, break_even: float, floor: float | None = None) -> float:
+        """The computed cut-off: the break-even acceptance, at least ``floor`` (``MIN_ACCEPTANCE``)."""
+        return max(cls.MIN_ACCEPTANCE if floor is None else floor, break_even)
+
+    @classmethod
     def initial_backoff(cls, token_cost: float) -> int:
         """Steps without drafts after a first failed verification: ``FIRST_BACKOFF``, or enough that a failed
         one-draft probe (``token_cost`` of a decode step) costs at most ``PROBE_OVERHEAD`` of the steps."""
