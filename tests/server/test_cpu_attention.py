@@ -72,6 +72,42 @@ def test_kernel_spans_over_a_cached_prefix(cpu_backend, monkeypatch, max_span):
     assert res["cache_equal"]
 
 
+@pytest.mark.parametrize("heads", GQA + [(9, 3)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("head_dim,block_size", [(64, 16), (16, 8), (32, 4)])
+def test_span_kernel_matches_torch_backend(cpu_backend, heads, head_dim, block_size):
+    """Float32 spans of SPAN_MIN_ROWS-SPAN_MAX_ROWS rows over a cached prefix (verifications of 3-63
+    drafts, short chunks) attend in the span kernel: each row over its own context (a tile of six query
+    vectors straddles rows and heads), prefixes that are not multiples of 16 or of the block size, a
+    prefix of one token — within 1e-5 of the oracle; shorter spans and longer chunks keep their paths."""
+    from kvfleet_server.attention import cpu_backend as mod
+
+    h, kvh = heads
+    seqs = [(37, 1), (20, 3), (45, 4), (1, 7), (16, 16), (150, 17), (300, 64), (33, 65)]
+    case = make_case(seqs, h, kvh, head_dim, block_size, torch.float32, seed=h + head_dim)
+    routed = [mod._in_span_kernel(p, case.q, case.k_cache, None) for p in case.meta.prefills]
+    assert routed == [False, True, True, True, True, True, False]  # 3 rows: per-row kernel; 65: SDPA
+    res = compare(cpu_backend, TorchAttentionBackend(), case)
+    assert res["rel_err"] < 1e-5, res
+    assert res["cache_equal"]
+
+
+def test_span_kernel_threads_and_bad_block_table(cpu_backend):
+    """One thread or two: the same result; a block id outside the cache is a RuntimeError naming it."""
+    case = make_case([(60, 9)], 9, 3, 64, 16, torch.float32, seed=4)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert compare(cpu_backend, TorchAttentionBackend(), case)["rel_err"] < 1e-5
+    finally:
+        torch.set_num_threads(n)
+    p = case.meta.prefills[0]
+    table = p.block_table.clone()
+    table[1] = 10_000
+    with pytest.raises(RuntimeError, match=r"block id 10000 outside \[0, "):
+        torch.ops.kvfleet.paged_span_attention_cpu(torch.empty_like(case.q), case.q, case.k_cache, case.v_cache,
+                                                   table, p.q_start, p.q_len, p.prefix_len, 1.0)
+
+
 def test_kernel_uses_torch_threads(cpu_backend):
     """The same result with 1 thread and with all of torch's threads (the work split changes)."""
     case = make_case(SEQS["mixed"], 8, 2, 16, 8, torch.float32, seed=5)

@@ -1,9 +1,12 @@
 """CPU paged-attention backend: decode rows and short spans over a cached prefix (decodes with draft
-tokens, small chunks) attend through their block tables in place, in kvfleet's C++ kernel
+tokens, small chunks) attend through their block tables in place, in kvfleet's C++ kernels
 (``csrc/paged_attention_cpu.cpp``, built by ``cpu_ext``); the torch reference gathers every context into
-a padded copy first, at every layer and step. Longer chunks over a cached prefix (more than
-``KERNEL_MAX_SPAN`` rows, where SDPA's matrix products win: measured in benchmarks/cpu_attention.py) are
-gathered and attended with SDPA, and chunks that start at position 0 attend over themselves with SDPA
+a padded copy first, at every layer and step. A span of ``SPAN_MIN_ROWS`` to ``SPAN_MAX_ROWS`` rows with
+a float32 query and cache (a verification of 3 or more drafts, a short chunk) goes to the span kernel,
+which reads the sequence's keys and values once for all of its rows (``paged_span_attention_cpu``);
+shorter spans, and spans of other dtypes up to ``KERNEL_MAX_SPAN`` rows, to the per-row kernel. Longer
+chunks over a cached prefix are gathered and attended with SDPA (its matrix products win there: measured
+in benchmarks/cpu_attention.py), and chunks that start at position 0 attend over themselves with SDPA
 (flash attention on the CPU), as in the torch backend — vLLM's CPU backend makes the same split. K/V
 writes (and FP8 quantization) are the torch backend's.
 
@@ -20,16 +23,25 @@ from .torch_ref import cache_reader, causal_prefill, masked_prefill, write_kv
 
 #: spans over a cached prefix with at most this many rows go through the kernel, longer ones through SDPA
 KERNEL_MAX_SPAN = 8  # benchmarks/cpu_attention.py over a 1,400-token prefix: 5 rows 1.5x, 8 rows 1.1x, 16 rows 0.8x
+#: spans of this many rows (float32) go to the span kernel: over a 250-token prefix 2.2x the per-row
+#: kernel at 17 rows, 1.6x at 5; under 4 rows over a long prefix its transposes cost more than they save
+SPAN_MIN_ROWS, SPAN_MAX_ROWS = 4, 64
+
+
+def _in_span_kernel(p, q, k_cache, kv_scales) -> bool:
+    return (p.mask is not None and SPAN_MIN_ROWS <= p.q_len <= SPAN_MAX_ROWS and kv_scales is None
+            and q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.shape[-1] % 16 == 0)
 
 
 def _in_kernel(p) -> bool:
     return p.mask is not None and p.q_len <= KERNEL_MAX_SPAN
 
 
-def paged_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
-    """(tables [S, W], rows [R], row_seq [R], row_len [R]) int64 for every row the kernel attends: the
-    decodes, and each span over a cached prefix of at most KERNEL_MAX_SPAN rows (its row i sees
-    prefix + i + 1 tokens). None when the step has no such row."""
+def paged_rows(meta: AttentionMetadata, in_span_kernel: tuple[bool, ...] = ()) -> tuple[torch.Tensor, ...] | None:
+    """(tables [S, W], rows [R], row_seq [R], row_len [R]) int64 for every row the per-row kernel attends:
+    the decodes, and each span over a cached prefix of at most KERNEL_MAX_SPAN rows (its row i sees
+    prefix + i + 1 tokens) that ``in_span_kernel`` (per prefill, default none) does not give to the span
+    kernel. None when the step has no such row."""
     tables, rows, seqs, lens = [], [], [], []
     s = 0
     for g in meta.decode_groups:
@@ -38,8 +50,8 @@ def paged_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, ...] | None:
         seqs.append(torch.arange(s, s + g.count))
         lens.append(g.context_lens)
         s += g.count
-    for p in meta.prefills:
-        if not _in_kernel(p):
+    for i, p in enumerate(meta.prefills):
+        if not _in_kernel(p) or (in_span_kernel and in_span_kernel[i]):
             continue
         tables.append(p.block_table[None])
         rows.append(torch.arange(p.q_start, p.q_start + p.q_len))
@@ -74,16 +86,20 @@ class CpuPagedAttentionBackend(AttentionBackend):
         read = cache_reader(k_cache, kv_scales, q.dtype)
         out = torch.empty_like(q)
         cache = meta.backend_cache
-        if "cpu_rows" not in cache:
-            cache["cpu_rows"] = paged_rows(meta)
+        if "cpu_rows" not in cache:  # the same for every layer: decided by the first
+            cache["cpu_span"] = tuple(_in_span_kernel(p, q, k_cache, kv_scales) for p in meta.prefills)
+            cache["cpu_rows"] = paged_rows(meta, cache["cpu_span"])
         if cache["cpu_rows"] is not None:
             tables, rows, row_seq, row_len = cache["cpu_rows"]
             ks, vs = (1.0, 1.0) if kv_scales is None else (float(kv_scales[0]), float(kv_scales[1]))
             self.op(out, q, k_cache, v_cache, tables, rows, row_seq, row_len, scale, ks, vs)
-        for p in meta.prefills:
+        for p, span in zip(meta.prefills, cache["cpu_span"]):
             rows_ = slice(p.q_start, p.q_start + p.q_len)
             if p.mask is None:
                 out[rows_] = causal_prefill(q[rows_], k[rows_], v[rows_], scale)
+            elif span:
+                torch.ops.kvfleet.paged_span_attention_cpu(out, q, k_cache, v_cache, p.block_table, p.q_start,
+                                                           p.q_len, p.prefix_len, scale)
             elif not _in_kernel(p):
                 out[rows_] = masked_prefill(q[rows_], k_cache, v_cache, p, read, scale)
         return out

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -331,12 +332,168 @@ void paged_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Tensor& 
   }
 }
 
+
+// ---- spans: the rows of one sequence's chunk over its cached prefix (decodes with drafts) ----------
+//
+// Row i of the span attends the first prefix + i + 1 tokens. The per-row kernel above reads every key
+// and value once per row; a span of R rows instead shares them: per kv head its keys are transposed
+// once into 16-key panels [ceil(L / 16), D, 16] (L: the last row's context), then each tile of up to 6
+// of the span's R x G query vectors (G heads per kv head) computes its scores as a 6 x 16
+// register-blocked product per panel (the linear kernel's micro-kernel: per d two loads, six
+// broadcasts, twelve FMAs), soft-maxes each vector over its own context, and accumulates V, 16 of the D
+// values at a time, from the cache rows in place. float32 query and cache only (the caller's choice).
+
+constexpr int kSpanTile = 6;
+
+// acc[i][0:16] = sum_j a[i * lda + j] * b[j * ldb + 0:16] for i < NV, j < J — b rows 16 floats apart
+// (K panels: ldb 16; V rows: the pointers in `brow`, when given, replace b + j * ldb)
+template <int NV>
+inline void tile16(const float* a, int64_t lda, const float* b, int64_t ldb, const float* const* brow, int64_t J,
+                   float* out, int64_t ldo) {
+#ifdef KVFLEET_AVX2
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
+         c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+#define KVFLEET_SPAN_ROW(r)                                         \
+  if constexpr (NV > r) {                                           \
+    const __m256 xb = _mm256_broadcast_ss(a + r * lda + j);         \
+    c##r##0 = fmadd(xb, w0, c##r##0);                               \
+    c##r##1 = fmadd(xb, w1, c##r##1);                               \
+  }
+  for (int64_t j = 0; j < J; ++j) {
+    const float* w = brow ? brow[j] : b + j * ldb;
+    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
+    KVFLEET_SPAN_ROW(0) KVFLEET_SPAN_ROW(1) KVFLEET_SPAN_ROW(2) KVFLEET_SPAN_ROW(3) KVFLEET_SPAN_ROW(4)
+    KVFLEET_SPAN_ROW(5)
+  }
+#undef KVFLEET_SPAN_ROW
+  const __m256 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  for (int i = 0; i < NV; ++i) {
+    _mm256_storeu_ps(out + i * ldo, acc[i][0]);
+    _mm256_storeu_ps(out + i * ldo + 8, acc[i][1]);
+  }
+#else
+  for (int i = 0; i < NV; ++i) {
+    float acc[16] = {0.f};
+    for (int64_t j = 0; j < J; ++j) {
+      const float* w = brow ? brow[j] : b + j * ldb;
+      for (int c = 0; c < 16; ++c) acc[c] += a[i * lda + j] * w[c];
+    }
+    for (int c = 0; c < 16; ++c) out[i * ldo + c] = acc[c];
+  }
+#endif
+}
+
+using Tile16Fn = void (*)(const float*, int64_t, const float*, int64_t, const float* const*, int64_t, float*,
+                          int64_t);
+constexpr Tile16Fn kTile16[kSpanTile + 1] = {nullptr, tile16<1>, tile16<2>, tile16<3>,
+                                             tile16<4>, tile16<5>, tile16<6>};
+
+// out, q: [T, num_heads, head_dim] float32 (head_dim contiguous, a multiple of 16); k_cache, v_cache:
+// float32 [num_blocks, block_size, num_kv_heads, head_dim] contiguous; block_table: [>= ceil((prefix +
+// q_len) / block_size)] int64. Rows q_start .. q_start + q_len - 1 of out are written.
+void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                              const at::Tensor& v_cache, const at::Tensor& block_table, int64_t q_start,
+                              int64_t q_len, int64_t prefix_len, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat && q.stride(2) == 1 && out.stride(2) == 1,
+              "paged_span_attention_cpu: q and out must be float32 [T, num_heads, head_dim], head_dim contiguous");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat,
+              "paged_span_attention_cpu: k_cache and v_cache must be contiguous float32 [num_blocks, block_size, "
+              "num_kv_heads, head_dim]");
+  const int64_t H = q.size(1), D = q.size(2), BS = k_cache.size(1), KVH = k_cache.size(2), NB = k_cache.size(0);
+  TORCH_CHECK(D == k_cache.size(3) && D % 16 == 0 && H % KVH == 0,
+              "paged_span_attention_cpu: head_dim must match the cache and be a multiple of 16, num_heads a multiple "
+              "of num_kv_heads");
+  TORCH_CHECK(q_len >= 1 && prefix_len >= 0 && q_start >= 0 && q_start + q_len <= q.size(0),
+              "paged_span_attention_cpu: rows [", q_start, ", ", q_start + q_len, ") outside the ", q.size(0),
+              " rows of q");
+  const int64_t L = prefix_len + q_len, nblk = (L + BS - 1) / BS;
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 && block_table.is_contiguous() &&
+                  block_table.size(0) >= nblk,
+              "paged_span_attention_cpu: block_table must be contiguous int64 with at least ", nblk, " blocks");
+  const int64_t* tab = block_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < nblk; ++b)
+    TORCH_CHECK(tab[b] >= 0 && tab[b] < NB, "paged_span_attention_cpu: block id ", tab[b], " outside [0, ", NB, ")");
+
+  const int64_t G = H / KVH, NVEC = q_len * G, tiles = (NVEC + kSpanTile - 1) / kSpanTile;
+  const int64_t P = (L + 15) / 16, tok_stride = KVH * D;
+  const float* kb = k_cache.data_ptr<float>();
+  const float* vb = v_cache.data_ptr<float>();
+  std::vector<int64_t> off(L);  // token t's offset in the cache, kv head 0
+  for (int64_t t = 0; t < L; ++t) off[t] = tab[t / BS] * BS * tok_stride + (t % BS) * tok_stride;
+  // per kv head: keys as 16-key panels kt [KVH][P][D][16] (zero past L), values as 16-column panels
+  // vt [KVH][D / 16][L][16], both contiguous, so the tiles below stream them (built in parallel over heads
+  // and 16-token groups; every tile of the head then reads them from L2)
+  const int64_t DC = D / 16;
+  std::unique_ptr<float[]> kt(new float[KVH * P * D * 16]), vt(new float[KVH * DC * L * 16]);
+  at::parallel_for(0, KVH * P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kh = item / P, p = item % P;
+      float* panel = kt.get() + item * D * 16;
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t t = p * 16 + j;
+        if (t < L) {
+          const float* k = kb + off[t] + kh * D;
+          const float* v = vb + off[t] + kh * D;
+          for (int64_t d = 0; d < D; ++d) panel[d * 16 + j] = k[d];
+          for (int64_t c = 0; c < DC; ++c)
+            std::memcpy(vt.get() + ((kh * DC + c) * L + t) * 16, v + c * 16, 16 * sizeof(float));
+        } else {
+          for (int64_t d = 0; d < D; ++d) panel[d * 16 + j] = 0.f;
+        }
+      }
+    }
+  });
+  const float sc = static_cast<float>(scale);
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), o_s0 = out.stride(0), o_s1 = out.stride(1);
+  at::parallel_for(0, KVH * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(kSpanTile * D), s(kSpanTile * P * 16), o(kSpanTile * 16), inv(kSpanTile);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kh = item / tiles, v0 = (item % tiles) * kSpanTile, nv = std::min<int64_t>(kSpanTile, NVEC - v0);
+      // vector v: row v / G of the span, head kh * G + v % G
+      for (int64_t i = 0; i < nv; ++i) {
+        const int64_t r = (v0 + i) / G, h = kh * G + (v0 + i) % G;
+        const float* src = qp + (q_start + r) * q_s0 + h * q_s1;
+        for (int64_t d = 0; d < D; ++d) qf[i * D + d] = src[d] * sc;
+      }
+      const int64_t Lt = prefix_len + (v0 + nv - 1) / G + 1, Pt = (Lt + 15) / 16, ld = Pt * 16;
+      const Tile16Fn fn = kTile16[nv];
+      for (int64_t p = 0; p < Pt; ++p)
+        fn(qf.data(), D, kt.get() + (kh * P + p) * D * 16, 16, nullptr, D, s.data() + p * 16, ld);
+      for (int64_t i = 0; i < nv; ++i) {
+        const int64_t Li = prefix_len + (v0 + i) / G + 1;
+        float* si = s.data() + i * ld;
+        inv[i] = 1.f / softmax_numerator(si, Li);
+        std::fill(si + Li, si + ld, 0.f);  // keys past this row's context weigh nothing
+      }
+      for (int64_t c = 0; c < D; c += 16) {
+        fn(s.data(), ld, vt.get() + (kh * DC + c / 16) * L * 16, 16, nullptr, Lt, o.data(), 16);
+        for (int64_t i = 0; i < nv; ++i) {
+          const int64_t r = (v0 + i) / G, h = kh * G + (v0 + i) % G;
+          float* dst = op + (q_start + r) * o_s0 + h * o_s1 + c;
+          for (int64_t d = 0; d < 16; ++d) dst[d] = o[i * 16 + d] * inv[i];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvfleet, m) {
   m.def(
       "paged_attention_cpu(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
       "Tensor rows, Tensor row_seq, Tensor row_len, float scale, float k_scale, float v_scale) -> ()");
+  m.def(
+      "paged_span_attention_cpu(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+      "int q_start, int q_len, int prefix_len, float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(kvfleet, CPU, m) { m.impl("paged_attention_cpu", &paged_attention_cpu); }
+TORCH_LIBRARY_IMPL(kvfleet, CPU, m) {
+  m.impl("paged_attention_cpu", &paged_attention_cpu);
+  m.impl("paged_span_attention_cpu", &paged_span_attention_cpu);
+}
