@@ -58,11 +58,13 @@ def test_kernel_other_head_dims_and_block_sizes(cpu_backend, head_dim, block_siz
 
 @pytest.mark.parametrize("max_span", [4, 1 << 30], ids=["default-split", "every-span-in-kernel"])
 def test_kernel_spans_over_a_cached_prefix(cpu_backend, monkeypatch, max_span):
-    """Decodes with drafts and short chunks (<= KERNEL_MAX_SPAN rows) attend in the kernel; with the
-    limit lifted every span does (the kernel itself on 7-48-row spans), within the same tolerance."""
+    """With the span kernel off: decodes with drafts and short chunks (<= KERNEL_MAX_SPAN rows) attend in
+    the per-row kernel; with the limit lifted every span does (the kernel itself on 7-48-row spans),
+    within the same tolerance."""
     from kvfleet_server.attention import cpu_backend as mod
 
     monkeypatch.setattr(mod, "KERNEL_MAX_SPAN", max_span)
+    monkeypatch.setattr(mod, "SPAN_MIN_ROWS", 1 << 30)
     seqs = [(37, 1), (20, 2), (45, 4), (16, 5), (21, 7), (150, 48)]
     case = make_case(seqs, 9, 3, 64, 16, torch.float32, seed=7)
     rows = mod.paged_rows(case.meta)[1]
@@ -82,18 +84,27 @@ def test_span_kernel_matches_torch_backend(cpu_backend, heads, head_dim, block_s
     from kvfleet_server.attention import cpu_backend as mod
 
     h, kvh = heads
-    seqs = [(37, 1), (20, 3), (45, 4), (1, 7), (16, 16), (150, 17), (300, 64), (33, 65)]
+    seqs = [(37, 1), (20, 3), (45, 4), (1, 7), (16, 16), (150, 17), (300, 64), (33, 65), (2100, 5)]
     case = make_case(seqs, h, kvh, head_dim, block_size, torch.float32, seed=h + head_dim)
     routed = [mod._in_span_kernel(p, case.q, case.k_cache, None) for p in case.meta.prefills]
-    assert routed == [False, True, True, True, True, True, False]  # 3 rows: per-row kernel; 65: SDPA
+    # 3 rows: the per-row kernel; 65 rows, or a context past SPAN_MAX_CONTEXT: the other paths
+    assert routed == [False, True, True, True, True, True, False, False]
     res = compare(cpu_backend, TorchAttentionBackend(), case)
     assert res["rel_err"] < 1e-5, res
     assert res["cache_equal"]
 
 
 def test_span_kernel_threads_and_bad_block_table(cpu_backend):
-    """One thread or two: the same result; a block id outside the cache is a RuntimeError naming it."""
+    """One thread or two, a q that is a view with row stride past its heads: the same result; a block id
+    outside the cache, or a span longer than its block table, is a RuntimeError naming it."""
+    import dataclasses
+
     case = make_case([(60, 9)], 9, 3, 64, 16, torch.float32, seed=4)
+    wide = torch.randn(case.q.shape[0], case.q.shape[1] + 2, case.q.shape[2])
+    wide[:, 1:-1] = case.q
+    strided = dataclasses.replace(case, q=wide[:, 1:-1])
+    assert strided.q.stride(0) != strided.q.shape[1] * strided.q.shape[2]
+    assert compare(cpu_backend, TorchAttentionBackend(), strided)["rel_err"] < 1e-5
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -106,6 +117,9 @@ def test_span_kernel_threads_and_bad_block_table(cpu_backend):
     with pytest.raises(RuntimeError, match=r"block id 10000 outside \[0, "):
         torch.ops.kvfleet.paged_span_attention_cpu(torch.empty_like(case.q), case.q, case.k_cache, case.v_cache,
                                                    table, p.q_start, p.q_len, p.prefix_len, 1.0)
+    with pytest.raises(RuntimeError, match=r"prefix_len \+ q_len = 1000 \+ 9 outside the 5 blocks"):
+        torch.ops.kvfleet.paged_span_attention_cpu(torch.empty_like(case.q), case.q, case.k_cache, case.v_cache,
+                                                   p.block_table, p.q_start, p.q_len, 1000, 1.0)
 
 
 def test_kernel_uses_torch_threads(cpu_backend):

@@ -1,10 +1,11 @@
 """CPU paged-attention backend: decode rows and short spans over a cached prefix (decodes with draft
 tokens, small chunks) attend through their block tables in place, in kvfleet's C++ kernels
 (``csrc/paged_attention_cpu.cpp``, built by ``cpu_ext``); the torch reference gathers every context into
-a padded copy first, at every layer and step. A span of ``SPAN_MIN_ROWS`` to ``SPAN_MAX_ROWS`` rows with
-a float32 query and cache (a verification of 3 or more drafts, a short chunk) goes to the span kernel,
-which reads the sequence's keys and values once for all of its rows (``paged_span_attention_cpu``);
-shorter spans, and spans of other dtypes up to ``KERNEL_MAX_SPAN`` rows, to the per-row kernel. Longer
+a padded copy first, at every layer and step. A span of ``SPAN_MIN_ROWS`` to ``SPAN_MAX_ROWS`` rows over
+a context of at most ``SPAN_MAX_CONTEXT`` tokens, float32 query and cache, head_dim a multiple of 16 (a
+verification of 3 or more drafts, a short chunk) goes to the span kernel, which reads the sequence's keys
+and values once for all of its rows (``paged_span_attention_cpu``); other spans of up to
+``KERNEL_MAX_SPAN`` rows go to the per-row kernel. Longer
 chunks over a cached prefix are gathered and attended with SDPA (its matrix products win there: measured
 in benchmarks/cpu_attention.py), and chunks that start at position 0 attend over themselves with SDPA
 (flash attention on the CPU), as in the torch backend — vLLM's CPU backend makes the same split. K/V
@@ -21,16 +22,20 @@ import torch
 from .backend import AttentionBackend, AttentionMetadata
 from .torch_ref import cache_reader, causal_prefill, masked_prefill, write_kv
 
-#: spans over a cached prefix with at most this many rows go through the kernel, longer ones through SDPA
+#: spans over a cached prefix with at most this many rows (not taken by the span kernel) go through the
+#: per-row kernel, longer ones through SDPA
 KERNEL_MAX_SPAN = 8  # benchmarks/cpu_attention.py over a 1,400-token prefix: 5 rows 1.5x, 8 rows 1.1x, 16 rows 0.8x
-#: spans of this many rows (float32) go to the span kernel: over a 250-token prefix 2.2x the per-row
-#: kernel at 17 rows, 1.6x at 5; under 4 rows over a long prefix its transposes cost more than they save
-SPAN_MIN_ROWS, SPAN_MAX_ROWS = 4, 64
+#: float32 spans of this many rows go to the span kernel (benchmarks/cpu_attention.py: over a 250-token
+#: prefix 2.2x the per-row kernel at 17 rows, 1.6x at 5; under 4 rows over a long prefix its transposes
+#: cost more than they save), over contexts of at most SPAN_MAX_CONTEXT tokens (it copies the context's
+#: K/V into panels at every layer: measured up to 1,400 tokens)
+SPAN_MIN_ROWS, SPAN_MAX_ROWS, SPAN_MAX_CONTEXT = 4, 64, 2048
 
 
 def _in_span_kernel(p, q, k_cache, kv_scales) -> bool:
-    return (p.mask is not None and SPAN_MIN_ROWS <= p.q_len <= SPAN_MAX_ROWS and kv_scales is None
-            and q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.shape[-1] % 16 == 0)
+    return (p.mask is not None and SPAN_MIN_ROWS <= p.q_len <= SPAN_MAX_ROWS and p.ctx_len <= SPAN_MAX_CONTEXT
+            and kv_scales is None and q.dtype == torch.float32 and k_cache.dtype == torch.float32
+            and q.shape[-1] % 16 == 0)
 
 
 def _in_kernel(p) -> bool:

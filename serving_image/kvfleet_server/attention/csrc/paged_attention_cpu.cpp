@@ -8,7 +8,8 @@
 // loops. Work items are spread over torch's own OpenMP pool with at::parallel_for, so the kernel
 // respects torch.set_num_threads.
 //
-// Registered as torch.ops.kvfleet.paged_attention_cpu (an opaque op for torch.compile).
+// Registered as torch.ops.kvfleet.paged_attention_cpu, and the span kernel below as
+// torch.ops.kvfleet.paged_span_attention_cpu (opaque ops; attention runs eagerly between compiled pieces).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -341,15 +342,15 @@ void paged_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Tensor& 
 // of the span's R x G query vectors (G heads per kv head) computes its scores as a 6 x 16
 // register-blocked product per panel (the linear kernel's micro-kernel: per d two loads, six
 // broadcasts, twelve FMAs), soft-maxes each vector over its own context, and accumulates V, 16 of the D
-// values at a time, from the cache rows in place. float32 query and cache only (the caller's choice).
+// values at a time, from the value panels. float32 query and cache only (the caller's choice). The P.V
+// pass of a tile runs over its last vector's context with zero weights past each vector's own, so a NaN
+// or inf in a later row's V reaches the tile's earlier rows (0 * NaN), as in SDPA's math path.
 
 constexpr int kSpanTile = 6;
 
-// acc[i][0:16] = sum_j a[i * lda + j] * b[j * ldb + 0:16] for i < NV, j < J — b rows 16 floats apart
-// (K panels: ldb 16; V rows: the pointers in `brow`, when given, replace b + j * ldb)
+// out[i * ldo + 0:16] = sum_j a[i * lda + j] * b[16 j + 0:16] for i < NV, j < J (b: a panel of 16 columns)
 template <int NV>
-inline void tile16(const float* a, int64_t lda, const float* b, int64_t ldb, const float* const* brow, int64_t J,
-                   float* out, int64_t ldo) {
+inline void tile16(const float* a, int64_t lda, const float* b, int64_t J, float* out, int64_t ldo) {
 #ifdef KVFLEET_AVX2
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
          c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
@@ -360,7 +361,7 @@ inline void tile16(const float* a, int64_t lda, const float* b, int64_t ldb, con
     c##r##1 = fmadd(xb, w1, c##r##1);                               \
   }
   for (int64_t j = 0; j < J; ++j) {
-    const float* w = brow ? brow[j] : b + j * ldb;
+    const float* w = b + 16 * j;
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
     KVFLEET_SPAN_ROW(0) KVFLEET_SPAN_ROW(1) KVFLEET_SPAN_ROW(2) KVFLEET_SPAN_ROW(3) KVFLEET_SPAN_ROW(4)
     KVFLEET_SPAN_ROW(5)
@@ -375,7 +376,7 @@ inline void tile16(const float* a, int64_t lda, const float* b, int64_t ldb, con
   for (int i = 0; i < NV; ++i) {
     float acc[16] = {0.f};
     for (int64_t j = 0; j < J; ++j) {
-      const float* w = brow ? brow[j] : b + j * ldb;
+      const float* w = b + 16 * j;
       for (int c = 0; c < 16; ++c) acc[c] += a[i * lda + j] * w[c];
     }
     for (int c = 0; c < 16; ++c) out[i * ldo + c] = acc[c];
@@ -383,8 +384,7 @@ inline void tile16(const float* a, int64_t lda, const float* b, int64_t ldb, con
 #endif
 }
 
-using Tile16Fn = void (*)(const float*, int64_t, const float*, int64_t, const float* const*, int64_t, float*,
-                          int64_t);
+using Tile16Fn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
 constexpr Tile16Fn kTile16[kSpanTile + 1] = {nullptr, tile16<1>, tile16<2>, tile16<3>,
                                              tile16<4>, tile16<5>, tile16<6>};
 
@@ -409,6 +409,9 @@ void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Ten
   TORCH_CHECK(q_len >= 1 && prefix_len >= 0 && q_start >= 0 && q_start + q_len <= q.size(0),
               "paged_span_attention_cpu: rows [", q_start, ", ", q_start + q_len, ") outside the ", q.size(0),
               " rows of q");
+  TORCH_CHECK(block_table.dim() == 1 && prefix_len <= block_table.size(0) * BS - q_len,
+              "paged_span_attention_cpu: prefix_len + q_len = ", prefix_len, " + ", q_len, " outside the ",
+              block_table.size(0), " blocks of block_table");
   const int64_t L = prefix_len + q_len, nblk = (L + BS - 1) / BS;
   TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 && block_table.is_contiguous() &&
                   block_table.size(0) >= nblk,
@@ -425,7 +428,8 @@ void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Ten
   for (int64_t t = 0; t < L; ++t) off[t] = tab[t / BS] * BS * tok_stride + (t % BS) * tok_stride;
   // per kv head: keys as 16-key panels kt [KVH][P][D][16] (zero past L), values as 16-column panels
   // vt [KVH][D / 16][L][16], both contiguous, so the tiles below stream them (built in parallel over heads
-  // and 16-token groups; every tile of the head then reads them from L2)
+  // and 16-token groups; the tiles of a head read them again from cache: the caller bounds L,
+  // cpu_backend.SPAN_MAX_CONTEXT)
   const int64_t DC = D / 16;
   std::unique_ptr<float[]> kt(new float[KVH * P * D * 16]), vt(new float[KVH * DC * L * 16]);
   at::parallel_for(0, KVH * P, 1, [&](int64_t begin, int64_t end) {
@@ -463,7 +467,7 @@ void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Ten
       const int64_t Lt = prefix_len + (v0 + nv - 1) / G + 1, Pt = (Lt + 15) / 16, ld = Pt * 16;
       const Tile16Fn fn = kTile16[nv];
       for (int64_t p = 0; p < Pt; ++p)
-        fn(qf.data(), D, kt.get() + (kh * P + p) * D * 16, 16, nullptr, D, s.data() + p * 16, ld);
+        fn(qf.data(), D, kt.get() + (kh * P + p) * D * 16, D, s.data() + p * 16, ld);
       for (int64_t i = 0; i < nv; ++i) {
         const int64_t Li = prefix_len + (v0 + i) / G + 1;
         float* si = s.data() + i * ld;
@@ -471,7 +475,7 @@ void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Ten
         std::fill(si + Li, si + ld, 0.f);  // keys past this row's context weigh nothing
       }
       for (int64_t c = 0; c < D; c += 16) {
-        fn(s.data(), ld, vt.get() + (kh * DC + c / 16) * L * 16, 16, nullptr, Lt, o.data(), 16);
+        fn(s.data(), ld, vt.get() + (kh * DC + c / 16) * L * 16, Lt, o.data(), 16);
         for (int64_t i = 0; i < nv; ++i) {
           const int64_t r = (v0 + i) / G, h = kh * G + (v0 + i) % G;
           float* dst = op + (q_start + r) * o_s0 + h * o_s1 + c;
