@@ -7,8 +7,11 @@ side by side in one run: per-call time (median of --repeats), the ratio, and the
 Rows: the peer workload's decode step (32 sequences of 20-200 prompt + 32 output tokens), the
 shared-prefix serving row (4 decodes over ~1,400 tokens), a batch-1 decode at 1,000 tokens, and spans of
 5 (a decode with 4 drafts), 16 and 48 tokens over a 1,400-token cached prefix (prefix-cache hit then the
-question). Spans of more than ``cpu_backend.KERNEL_MAX_SPAN`` rows go through SDPA in the cpu backend, so
-the 48-token row times that path; the kernel's own time on it is printed on the last line.
+question), each in the path the cpu backend takes (float32 spans of 4-64 rows: the span kernel). A second
+table times spans of 2-65 rows over a 250- and a 1,400-token prefix (a decode with 1-64 drafts; the
+spec_decode benchmark's contexts are ~250 tokens) in each of the three paths the cpu backend can take — the
+span kernel (``SPAN_MIN_ROWS``-``SPAN_MAX_ROWS`` float32 rows), the per-row kernel, gather + SDPA — and
+names the one it takes.
 """
 
 from __future__ import annotations
@@ -54,14 +57,36 @@ def main() -> None:
         t_ref, t_cpu = timed(ref, case, args.repeats), timed(cpu, case, args.repeats)
         err = rel_err(run_backend(cpu, case)[0], run_backend(ref, case)[0])
         print(f"{name:44s} {t_ref * 1e3:9.3f} {t_cpu * 1e3:8.3f} {t_ref / t_cpu:8.2f}x {err:9.1e}")
-    from kvfleet_server.attention import cpu_backend
+    spans(cpu, args.repeats)
 
-    case = make_case([(1400, 48)], 9, 3, 64, 16, torch.float32, share=False)
-    limit, cpu_backend.KERNEL_MAX_SPAN = cpu_backend.KERNEL_MAX_SPAN, 1 << 30
-    try:
-        print(f"{'  the 48-token chunk in the kernel itself':44s} {'':9s} {timed(cpu, case, args.repeats) * 1e3:8.3f}")
-    finally:
-        cpu_backend.KERNEL_MAX_SPAN = limit
+
+def spans(cpu, repeats: int) -> None:
+    """Each path's time on spans over a cached prefix; ratios against the path the backend takes."""
+    from kvfleet_server.attention import cpu_backend as cb
+
+    paths = {"span kernel": dict(SPAN_MIN_ROWS=1, SPAN_MAX_ROWS=1 << 30),
+             "per-row kernel": dict(SPAN_MIN_ROWS=1 << 30, KERNEL_MAX_SPAN=1 << 30),
+             "SDPA": dict(SPAN_MIN_ROWS=1 << 30, KERNEL_MAX_SPAN=0)}
+    print(f"\n{'span over a cached prefix':30s} " + " ".join(f"{p + ' ms':>17s}" for p in paths)
+          + f" {'taken':>15s} {'per-row / taken':>15s}")
+    saved = {k: getattr(cb, k) for k in ("SPAN_MIN_ROWS", "SPAN_MAX_ROWS", "KERNEL_MAX_SPAN")}
+    for prefix in (250, 1400):
+        for rows in (2, 4, 5, 9, 17, 33, 65):
+            case = make_case([(prefix, rows)], 9, 3, 64, 16, torch.float32, share=False)
+            p = case.meta.prefills[0]
+            taken = ("span kernel" if cb._in_span_kernel(p, case.q, case.k_cache, None)
+                     else "per-row kernel" if cb._in_kernel(p) else "SDPA")
+            times = {}
+            for name, limits in paths.items():
+                try:
+                    for k, v in limits.items():
+                        setattr(cb, k, v)
+                    times[name] = timed(cpu, case, repeats)
+                finally:
+                    for k, v in saved.items():
+                        setattr(cb, k, v)
+            print(f"{f'{rows} rows over {prefix} tokens':30s} " + " ".join(f"{t * 1e3:17.3f}" for t in times.values())
+                  + f" {taken:>15s} {times['per-row kernel'] / times[taken]:14.2f}x")
 
 
 if __name__ == "__main__":
