@@ -18,6 +18,7 @@
 #include <c10/util/Float8_e5m2.h>
 #include <torch/library.h>
 
+#include "panel_tile.h"
 #include "vec_avx2.h"
 
 #include <algorithm>
@@ -340,53 +341,14 @@ void paged_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Tensor& 
 // and value once per row; a span of R rows instead shares them: per kv head its keys are transposed
 // once into 16-key panels [ceil(L / 16), D, 16] (L: the last row's context), then each tile of up to 6
 // of the span's R x G query vectors (G heads per kv head) computes its scores as a 6 x 16
-// register-blocked product per panel (the linear kernel's micro-kernel: per d two loads, six
+// register-blocked product per panel (panel_tile.h, shared with the panel linear: per d two loads, six
 // broadcasts, twelve FMAs), soft-maxes each vector over its own context, and accumulates V, 16 of the D
 // values at a time, from the value panels. float32 query and cache only (the caller's choice). The P.V
 // pass of a tile runs over its last vector's context with zero weights past each vector's own, so a NaN
 // or inf in a later row's V reaches the tile's earlier rows (0 * NaN), as in SDPA's math path.
 
-constexpr int kSpanTile = 6;
+constexpr int kSpanTile = kvfleet_panel::kRows;
 
-// out[i * ldo + 0:16] = sum_j a[i * lda + j] * b[16 j + 0:16] for i < NV, j < J (b: a panel of 16 columns)
-template <int NV>
-inline void tile16(const float* a, int64_t lda, const float* b, int64_t J, float* out, int64_t ldo) {
-#ifdef KVFLEET_AVX2
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00,
-         c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-#define KVFLEET_SPAN_ROW(r)                                         \
-  if constexpr (NV > r) {                                           \
-    const __m256 xb = _mm256_broadcast_ss(a + r * lda + j);         \
-    c##r##0 = fmadd(xb, w0, c##r##0);                               \
-    c##r##1 = fmadd(xb, w1, c##r##1);                               \
-  }
-  for (int64_t j = 0; j < J; ++j) {
-    const float* w = b + 16 * j;
-    const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-    KVFLEET_SPAN_ROW(0) KVFLEET_SPAN_ROW(1) KVFLEET_SPAN_ROW(2) KVFLEET_SPAN_ROW(3) KVFLEET_SPAN_ROW(4)
-    KVFLEET_SPAN_ROW(5)
-  }
-#undef KVFLEET_SPAN_ROW
-  const __m256 acc[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  for (int i = 0; i < NV; ++i) {
-    _mm256_storeu_ps(out + i * ldo, acc[i][0]);
-    _mm256_storeu_ps(out + i * ldo + 8, acc[i][1]);
-  }
-#else
-  for (int i = 0; i < NV; ++i) {
-    float acc[16] = {0.f};
-    for (int64_t j = 0; j < J; ++j) {
-      const float* w = b + 16 * j;
-      for (int c = 0; c < 16; ++c) acc[c] += a[i * lda + j] * w[c];
-    }
-    for (int c = 0; c < 16; ++c) out[i * ldo + c] = acc[c];
-  }
-#endif
-}
-
-using Tile16Fn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t);
-constexpr Tile16Fn kTile16[kSpanTile + 1] = {nullptr, tile16<1>, tile16<2>, tile16<3>,
-                                             tile16<4>, tile16<5>, tile16<6>};
 
 // out, q: [T, num_heads, head_dim] float32 (head_dim contiguous, a multiple of 16); k_cache, v_cache:
 // float32 [num_blocks, block_size, num_kv_heads, head_dim] contiguous; block_table: [>= ceil((prefix +
@@ -465,9 +427,9 @@ void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Ten
         for (int64_t d = 0; d < D; ++d) qf[i * D + d] = src[d] * sc;
       }
       const int64_t Lt = prefix_len + (v0 + nv - 1) / G + 1, Pt = (Lt + 15) / 16, ld = Pt * 16;
-      const Tile16Fn fn = kTile16[nv];
+      const auto fn = kvfleet_panel::kTiles<float>[nv];  // no bias, scale or prefetch: 16 columns as they are
       for (int64_t p = 0; p < Pt; ++p)
-        fn(qf.data(), D, kt.get() + (kh * P + p) * D * 16, D, s.data() + p * 16, ld);
+        fn(qf.data(), D, kt.get() + (kh * P + p) * D * 16, D, s.data() + p * 16, ld, 16, nullptr, nullptr, nullptr);
       for (int64_t i = 0; i < nv; ++i) {
         const int64_t Li = prefix_len + (v0 + i) / G + 1;
         float* si = s.data() + i * ld;
@@ -475,7 +437,7 @@ void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Ten
         std::fill(si + Li, si + ld, 0.f);  // keys past this row's context weigh nothing
       }
       for (int64_t c = 0; c < D; c += 16) {
-        fn(s.data(), ld, vt.get() + (kh * DC + c / 16) * L * 16, Lt, o.data(), 16);
+        fn(s.data(), ld, vt.get() + (kh * DC + c / 16) * L * 16, Lt, o.data(), 16, 16, nullptr, nullptr, nullptr);
         for (int64_t i = 0; i < nv; ++i) {
           const int64_t r = (v0 + i) / G, h = kh * G + (v0 + i) % G;
           float* dst = op + (q_start + r) * o_s0 + h * o_s1 + c;
