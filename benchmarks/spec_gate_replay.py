@@ -12,9 +12,9 @@ It isolates the policy from the machine's noise; benchmarks/spec_decode.py measu
 Simplifications: concurrency 1; every sequence starts with a fresh gate (the scheduler also lets a new
 sequence inherit the last back-off while acceptance is low); a step's cost is linear in its drafts
 (measured in the engine on this CPU, 2 threads, float32, 2026-12-03: 9 drafts 1.53x a plain decode step,
-16 drafts 1.95x, about 0.06 per draft; with the span attention kernel that evening 5 drafts 1.12x, 9
-drafts 1.40x, 16 drafts 1.95x; fewer than 6 drafts cost less than 0.06 each; an earlier measurement of
-the forward pass alone gave about 0.1 — run both).
+16 drafts 1.95x, about 0.06 per draft, fewer than 6 drafts less than that; with the span attention
+kernel, the pass alone, benchmarks/spec_step_cost.py on 2026-12-04: 4 drafts 1.17x, 8 drafts 1.51x, 16
+drafts 2.0x; an earlier measurement of the forward pass alone gave about 0.1 — run both).
 
     python benchmarks/spec_gate_replay.py
     python benchmarks/spec_gate_replay.py --floors 0.15 0.3 --row-cost 0.1

@@ -36,8 +36,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if 0 not in args.drafts:
-        args.drafts = [0] + args.drafts
+    args.drafts = sorted(set(args.drafts) | {0})  # the plain pass first: every ratio is against it
+    if len(args.drafts) == 1 or min(args.drafts) < 0:
+        ap.error("--drafts: give one or more draft counts >= 1 (0, the plain pass, is always timed)")
     torch.set_num_threads(args.threads)
     from kvfleet_server import EngineConfig, LLMEngine
     from kvfleet_server.executor.model_runner import TokenSpan
@@ -77,9 +78,9 @@ def main() -> None:
             t = median_seconds(verify(batch, gamma), args.repeats, warmup=2)
             base = t if gamma == 0 else base
             ratio = t / base
-            per = (ratio - 1) / gamma if gamma else float("nan")
+            per = (ratio - 1) / gamma if gamma else None
             rows.append(dict(batch=batch, drafts=gamma, seconds=t, ratio=ratio, per_draft=per))
-            print(f"{batch:5d} {gamma:6d} {t * 1e3:8.2f} {ratio:7.2f}x {per:9.3f}")
+            print(f"{batch:5d} {gamma:6d} {t * 1e3:8.2f} {ratio:7.2f}x " + (f"{per:9.3f}" if gamma else f"{'-':>9s}"))
         per_draft = [r["per_draft"] for r in rows if r["batch"] == batch and r["drafts"]]
         print(f"{'':5s} median cost per draft at batch {batch}: {statistics.median(per_draft):.3f}")
     print("wrote", write_json(dict(args=vars(args), verify_cost=VERIFY_COST, rows=rows), "spec_step_cost", args.out))

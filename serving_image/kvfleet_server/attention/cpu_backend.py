@@ -25,10 +25,12 @@ from .torch_ref import cache_reader, causal_prefill, masked_prefill, write_kv
 #: spans over a cached prefix with at most this many rows (not taken by the span kernel) go through the
 #: per-row kernel, longer ones through SDPA
 KERNEL_MAX_SPAN = 8  # benchmarks/cpu_attention.py over a 1,400-token prefix: 5 rows 1.5x, 8 rows 1.1x, 16 rows 0.8x
-#: float32 spans of this many rows go to the span kernel (benchmarks/cpu_attention.py: over a 250-token
-#: prefix 2.2x the per-row kernel at 17 rows, 1.6x at 5; under 4 rows over a long prefix its transposes
-#: cost more than they save), over contexts of at most SPAN_MAX_CONTEXT tokens (it copies the context's
-#: K/V into panels at every layer: measured up to 1,400 tokens)
+#: float32 spans of this many rows go to the span kernel (benchmarks/cpu_attention.py, 2026-12-04: over a
+#: 250-token prefix 1.5x the per-row kernel at 17 rows, 1.1x at 5; over 1,400 tokens 1.7-2.0x at 17-33
+#: rows; under 4 rows its panel copies cost more than they save), over contexts of at most
+#: SPAN_MAX_CONTEXT tokens (it copies the context's K/V into panels at every layer; measured up to 1,400
+#: tokens, the cap bounds the panels' memory). Its rows agree with the per-row kernel's to float32
+#: rounding (~1e-7), not bit for bit: a greedy near-tie may resolve differently with drafts.
 SPAN_MIN_ROWS, SPAN_MAX_ROWS, SPAN_MAX_CONTEXT = 4, 64, 2048
 
 
@@ -76,14 +78,13 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, op=None):
-        if op is None:
-            from .cpu_ext import load, load_error
+    def __init__(self):
+        from .cpu_ext import load, load_error
 
-            op = load()
-            if op is None:
-                raise RuntimeError(f"the CPU paged-attention kernel could not be built: {load_error()}")
-        self.op = op
+        if load() is None:
+            raise RuntimeError(f"the CPU paged-attention kernel could not be built: {load_error()}")
+        self.op = torch.ops.kvfleet.paged_attention_cpu
+        self.span_op = torch.ops.kvfleet.paged_span_attention_cpu
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,8 +104,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
             if p.mask is None:
                 out[rows_] = causal_prefill(q[rows_], k[rows_], v[rows_], scale)
             elif span:
-                torch.ops.kvfleet.paged_span_attention_cpu(out, q, k_cache, v_cache, p.block_table, p.q_start,
-                                                           p.q_len, p.prefix_len, scale)
+                self.span_op(out, q, k_cache, v_cache, p.block_table, p.q_start, p.q_len, p.prefix_len, scale)
             elif not _in_kernel(p):
                 out[rows_] = masked_prefill(q[rows_], k_cache, v_cache, p, read, scale)
         return out

@@ -49,8 +49,9 @@ class Drafts:
 #: extra cost of one more token in the target's verification pass, relative to a 1-token decode step.
 #: CPU: measured on SmolLM2-135M fp32, 2 threads, one sequence over 250 cached tokens
 #: (benchmarks/spec_step_cost.py, 2026-12-04, with the span attention kernel): 1 + 4 tokens 1.17x a
-#: 1-token pass, 1 + 8 tokens 1.51x, 1 + 16 tokens 2.0x — 0.04-0.07 per draft; 0.1 keeps a margin (and
-#: benchmarks/spec_gate_replay.py finds the gate's choices at 0.1 as good as at the measured table). At
+#: 1-token pass, 1 + 8 tokens 1.51x, 1 + 16 tokens 2.0x — 0.04-0.07 per draft from 2 drafts on, 0.09-0.11
+#: for a single draft; 0.1 keeps a margin (an ad-hoc replay priced by the measured table, not kept,
+#: found the gate's choices at 0.1 as good as with the table: docs/spec_decode.md). At
 #: batch 8 a draft per sequence costs ~0.34 of the batch's step (the linears are compute-bound past ~8
 #: rows), which disable_by_batch_size covers. CUDA: a decode step is bound by reading the weights, extra
 #: rows are nearly free at small batch (vLLM/SGLang measurements put it at a few percent).

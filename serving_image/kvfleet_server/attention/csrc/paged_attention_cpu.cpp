@@ -345,7 +345,9 @@ void paged_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Tensor& 
 // broadcasts, twelve FMAs), soft-maxes each vector over its own context, and accumulates V, 16 of the D
 // values at a time, from the value panels. float32 query and cache only (the caller's choice). The P.V
 // pass of a tile runs over its last vector's context with zero weights past each vector's own, so a NaN
-// or inf in a later row's V reaches the tile's earlier rows (0 * NaN), as in SDPA's math path.
+// or inf in the value of position t reaches the rows that attend t and also the earlier rows of the
+// tiles that hold one of them (0 * NaN); SDPA's math path spreads it to every row of the span, the
+// per-row kernel to the rows that attend t only.
 
 constexpr int kSpanTile = kvfleet_panel::kRows;
 
