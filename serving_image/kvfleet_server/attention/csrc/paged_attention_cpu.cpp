@@ -349,8 +349,7 @@ void paged_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Tensor& 
 // tiles that hold one of them (0 * NaN); SDPA's math path spreads it to every row of the span, the
 // per-row kernel to the rows that attend t only.
 
-constexpr int kSpanTile = kvfleet_panel::kRows;
-
+using kvfleet_panel::kRows;  // query vectors per tile
 
 // out, q: [T, num_heads, head_dim] float32 (head_dim contiguous, a multiple of 16); k_cache, v_cache:
 // float32 [num_blocks, block_size, num_kv_heads, head_dim] contiguous; block_table: [>= ceil((prefix +
@@ -373,18 +372,16 @@ void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Ten
   TORCH_CHECK(q_len >= 1 && prefix_len >= 0 && q_start >= 0 && q_start + q_len <= q.size(0),
               "paged_span_attention_cpu: rows [", q_start, ", ", q_start + q_len, ") outside the ", q.size(0),
               " rows of q");
-  TORCH_CHECK(block_table.dim() == 1 && prefix_len <= block_table.size(0) * BS - q_len,
-              "paged_span_attention_cpu: prefix_len + q_len = ", prefix_len, " + ", q_len, " outside the ",
-              block_table.size(0), " blocks of block_table");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 && block_table.is_contiguous(),
+              "paged_span_attention_cpu: block_table must be a contiguous int64 vector");
   const int64_t L = prefix_len + q_len, nblk = (L + BS - 1) / BS;
-  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 1 && block_table.is_contiguous() &&
-                  block_table.size(0) >= nblk,
-              "paged_span_attention_cpu: block_table must be contiguous int64 with at least ", nblk, " blocks");
+  TORCH_CHECK(block_table.size(0) >= nblk, "paged_span_attention_cpu: prefix_len + q_len = ", prefix_len, " + ",
+              q_len, " outside the ", block_table.size(0), " blocks of block_table");
   const int64_t* tab = block_table.data_ptr<int64_t>();
   for (int64_t b = 0; b < nblk; ++b)
     TORCH_CHECK(tab[b] >= 0 && tab[b] < NB, "paged_span_attention_cpu: block id ", tab[b], " outside [0, ", NB, ")");
 
-  const int64_t G = H / KVH, NVEC = q_len * G, tiles = (NVEC + kSpanTile - 1) / kSpanTile;
+  const int64_t G = H / KVH, NVEC = q_len * G, tiles = (NVEC + kRows - 1) / kRows;
   const int64_t P = (L + 15) / 16, tok_stride = KVH * D;
   const float* kb = k_cache.data_ptr<float>();
   const float* vb = v_cache.data_ptr<float>();
@@ -419,9 +416,9 @@ void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Ten
   float* op = out.data_ptr<float>();
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), o_s0 = out.stride(0), o_s1 = out.stride(1);
   at::parallel_for(0, KVH * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(kSpanTile * D), s(kSpanTile * P * 16), o(kSpanTile * 16), inv(kSpanTile);
+    std::vector<float> qf(kRows * D), s(kRows * P * 16), o(kRows * 16), inv(kRows);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t kh = item / tiles, v0 = (item % tiles) * kSpanTile, nv = std::min<int64_t>(kSpanTile, NVEC - v0);
+      const int64_t kh = item / tiles, v0 = (item % tiles) * kRows, nv = std::min<int64_t>(kRows, NVEC - v0);
       // vector v: row v / G of the span, head kh * G + v % G
       for (int64_t i = 0; i < nv; ++i) {
         const int64_t r = (v0 + i) / G, h = kh * G + (v0 + i) % G;
