@@ -104,11 +104,6 @@ ENGINE_REFUSALS: tuple[EngineRefusal, ...] = (
                   lambda s: isinstance(s.get("speculative_config"), dict)
                   and s["speculative_config"].get("method") in UNBUILT_SPECULATIVE_METHODS,
                   ("--speculative-config", '{"method":"eagle3","num_speculative_tokens":4}')),
-    EngineRefusal("--speculative-config", "speculative_config",
-                  "speculative decoding with --tensor-parallel-size > 1: draft passes run on rank 0 alone",
-                  lambda s: bool(s.get("speculative_config")) and (s.get("tensor_parallel_size") or 1) > 1,
-                  ("--speculative-config", '{"method":"ngram","num_speculative_tokens":4}',
-                   "--tensor-parallel-size", "3")),
     EngineRefusal("--dtype", "dtype", "float16 on CPU; use float32 or bfloat16, or a GPU",
                   lambda s: s.get("dtype") == "float16" and s.get("device") == "cpu",
                   ("--dtype", "float16", "--device", "cpu")),

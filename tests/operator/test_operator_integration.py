@@ -36,7 +36,8 @@ async def wait_condition(api, name: str, type_: str, **fields: str) -> dict:
 
 async def test_a_sample_the_server_would_refuse_is_degraded_and_creates_nothing(api, emulator):
     obj = sample("llama-3.1-8b-instruct-draft.yaml")
-    obj["spec"]["engine"]["tensorParallelSize"] = 2  # speculative decoding with tensor parallelism: refused
+    obj["spec"]["engine"]["dtype"] = "float16"  # on the CPU: refused by the server
+    obj["spec"]["resources"] = {**obj["spec"].get("resources", {}), "gpus": 0}
     name = obj["metadata"]["name"]
     async with running_operator():
         await api.create(AV, PL, "default", obj)
@@ -44,8 +45,8 @@ async def test_a_sample_the_server_would_refuse_is_degraded_and_creates_nothing(
         live = await wait_condition(api, name, "Degraded", status="True")
         c = cond(live, "Degraded")
         assert c["reason"] == "UnsupportedFeature"
-        assert c["message"].startswith("spec.engine.speculative: ") and "not supported yet" in c["message"]
-        assert "--tensor-parallel-size > 1" in c["message"]
+        assert c["message"].startswith("spec.engine.dtype: ") and "not supported yet" in c["message"]
+        assert "float16 on CPU" in c["message"]
         assert await api.get("apps/v1", "deployments", "default", name) is None
 
 

@@ -110,6 +110,16 @@ def test_layer_skip_renders_exactly_the_server_json():
     assert SpeculativeConfig.from_dict(cfg).num_draft_layers == 12  # the server accepts what is rendered
 
 
+def test_speculation_with_tensor_parallelism_renders_a_config_the_server_runs():
+    from kvfleet_server.cli import build_parser, engine_config
+
+    spec = {**HF, "engine": {"tensorParallelSize": 2,
+                             "speculative": {"method": "layer_skip", "numSpeculativeTokens": 3, "numDraftLayers": 12}}}
+    cfg = engine_config(build_parser().parse_args(container(render.render(isvc(spec)))["args"]))
+    assert cfg.tensor_parallel_size == 2 and cfg.speculative_config["method"] == "layer_skip"
+    cfg.validate()  # no refusal left for the combination
+
+
 def test_crd_methods_follow_the_server():
     from kvfleet_server.spec_decode import config as server
 

@@ -43,7 +43,7 @@ def test_flags_reach_engine_config():
 
 @pytest.mark.parametrize("args", [
     ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'],
-    ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--tensor-parallel-size", "3"],
+    ["--pipeline-parallel-size", "2"],
 ])
 def test_unbuilt_features_are_refused_at_start(args):
     out = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--port", "1", *args], capture_output=True,

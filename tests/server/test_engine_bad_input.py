@@ -105,8 +105,6 @@ def test_max_tokens_none_fills_to_max_model_len(eng):
 @pytest.mark.parametrize("kwargs, text", [
     (dict(speculative_config={"method": "eagle3", "num_speculative_tokens": 3}),
      'not supported yet: --speculative-config {"method": "eagle3", "num_speculative_tokens": 3}'),
-    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}, tensor_parallel_size=3),
-     "(speculative decoding with --tensor-parallel-size > 1"),
     (dict(quantization="awq"), "not supported: quantization='awq' (an already-quantized checkpoint format"),
     (dict(quantization="fp4"), "not supported: quantization='fp4'; expected one of ['fp8', 'int8', 'int4', 'gguf']"),
     (dict(model="/models/llama", quantization="gguf"), "quantization='gguf' needs a .gguf model file"),

@@ -1,6 +1,7 @@
 """Must-show 1: the real SmolLM2-135M-Instruct (9 query heads, 3 KV heads) at TP = 3 on the CPU gives
 the greedy tokens of TP = 1 on at least 15 of 16 prompts in float32, logprobs within 1e-4, through
-preemption (a KV pool smaller than the batch needs) and prefix-cache hits (a shared 3-block preamble).
+preemption (a KV pool smaller than the batch needs) and prefix-cache hits (a shared 3-block preamble);
+with n-gram speculation at TP = 3 too.
 
 The float32 weights are transformers' dequantization of the bundled GGUF saved as safetensors (dense
 float32 matmuls keep the test fast); the packed-GGUF path at TP = 3 is checked on fewer tokens below.
@@ -47,10 +48,13 @@ def smollm2_f32_dir(tmp_path_factory, gguf_path):
     return out
 
 
-def generate(model: str, tp: int, prompts: list[str], max_tokens: int, kv_blocks: int):
+def generate(model: str, tp: int, prompts: list[str], max_tokens: int, kv_blocks: int, spec: dict | None = None,
+             counts: dict | None = None):
+    """Greedy outputs, preemptions and prefix-cache hits; ``counts`` (if given) gets the drafts verified and
+    accepted."""
     eng = LLMEngine(EngineConfig(model=model, tensor_parallel_size=tp, dtype="float32", device="cpu",
                                  kv_cache_memory_bytes=kv_blocks * BLOCK_BYTES_TP1 // tp, max_model_len=256,
-                                 max_num_batched_tokens=256, num_threads=1))
+                                 max_num_batched_tokens=256, num_threads=1, speculative_config=spec))
     try:
         assert eng.num_blocks == kv_blocks
         for i, p in enumerate(prompts):
@@ -61,8 +65,12 @@ def generate(model: str, tp: int, prompts: list[str], max_tokens: int, kv_blocks
             for o in eng.step():
                 if o.finished:
                     outs[o.request_id] = o.outputs[0]
-            preemptions += eng.last_iteration.num_preemptions
-            hits += eng.last_iteration.prefix_cache_hits
+            it = eng.last_iteration
+            preemptions += it.num_preemptions
+            hits += it.prefix_cache_hits
+            if counts is not None:
+                counts["draft_tokens"] = counts.get("draft_tokens", 0) + it.num_draft_tokens
+                counts["accepted"] = counts.get("accepted", 0) + it.num_accepted_tokens
         return [outs[f"r{i}"] for i in range(len(prompts))], preemptions, hits
     finally:
         eng.shutdown()
@@ -95,3 +103,18 @@ def test_tp3_on_the_packed_gguf_matches_tp1(gguf_path):
     ref, _, _ = generate(gguf_path, 1, prompts, 6, KV_BLOCKS)
     got, _, _ = generate(gguf_path, 3, prompts, 6, KV_BLOCKS)
     assert compare(ref, got) == 3
+
+
+def test_tp3_ngram_speculation_gives_the_tokens_of_tp1_without_it(smollm2_f32_dir):
+    """Prompt lookup at TP = 3: the drafts are verified in one pass on every rank (the verification rows'
+    logits computed with the step) and the greedy tokens are TP = 1's without speculation."""
+    passage = ("The harbor town of Westmere was founded in 1821 by fishermen from the northern coast. Its "
+               "lighthouse, built of grey granite, still guides the ferries across the bay.")
+    prompts = [f"<|im_start|>user\nRepeat this text word for word: {passage}<|im_end|>\n<|im_start|>assistant\n",
+               PREAMBLE + QUESTIONS[9]]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    counts: dict = {}
+    ref, _, _ = generate(smollm2_f32_dir, 1, prompts, 32, KV_BLOCKS)
+    got, _, _ = generate(smollm2_f32_dir, 3, prompts, 32, KV_BLOCKS, spec, counts)
+    assert counts["accepted"] > 10 and counts["accepted"] <= counts["draft_tokens"], counts
+    assert compare(ref, got) == len(prompts)

@@ -369,7 +369,7 @@ class LLMEngine:
                                         - s.seq.num_computed_tokens)
         copies = sched.copies
         if self.proposer is not None and copies:  # the drafters read KV (layer_skip: the target's) before the step
-            self.runner.copy_blocks(copies)
+            self.runner.copy_blocks_on_every_rank(copies)
             self.proposer.copy_blocks(copies)
             copies = []
         for block in sched.pinned:

@@ -189,13 +189,15 @@ class ModelRunner:
         return groups
 
     def prepare(self, spans: list[TokenSpan], copies: list[tuple[int, int]] = (),
-                sample_spans: list[int] = (), num_layers: int | None = None
+                sample_spans: list[int] = (), num_layers: int | None = None, verify_spans: list[int] = ()
                 ) -> tuple[StepInputs, list[int], list[tuple[int, int]]]:
         """Lay out one step's token spans (pure Python: 1-token spans — decodes — first, sorted by
         context length, then the longer spans: prefill chunks and decodes with draft tokens).
 
-        ``sample_spans``: indices of the spans whose last row is sampled (their logits are computed with
-        the step under tensor parallelism). Returns (inputs, last_row, chunk_rows) indexed like ``spans``.
+        ``sample_spans``: indices of the spans whose last row is sampled; ``verify_spans``: of the spans
+        whose every row is (a decode with drafts: each row verifies one draft). Under tensor parallelism
+        those rows' logits are computed with the step. Returns (inputs, last_row, chunk_rows) indexed like
+        ``spans``.
         """
         bs = self.block_size
         dec = sorted((i for i, s in enumerate(spans) if len(s.token_ids) == 1), key=lambda i: spans[i].start)
@@ -233,7 +235,12 @@ class ModelRunner:
             last_row[i] = q_start + n - 1
             chunk_rows[i] = (q_start, n)
             q_start += n
-        logit_rows = [last_row[i] for i in sample_spans] if self.tp.is_parallel else []
+        logit_rows = []
+        if self.tp.is_parallel:
+            verify = set(verify_spans)
+            for i in sorted(set(sample_spans) | verify):
+                first, n = chunk_rows[i] if i in verify else (last_row[i], 1)
+                logit_rows.extend(range(first, first + n))
         inputs = StepInputs(ids, pos, slots, groups, prefills, list(copies), logit_rows, num_layers)
         return inputs, last_row, chunk_rows
 
@@ -303,7 +310,8 @@ class ModelRunner:
         draft tokens (speculative decoding). With tensor parallelism rank 0 broadcasts the step's
         inputs once (``self.tp.broadcast_object``) and every rank runs it."""
         spans = [TokenSpan(s.input_ids(), s.seq.num_computed_tokens, block_tables[s.seq.seq_id]) for s in scheduled]
-        inputs, last_row, chunk_rows = self.prepare(spans, copies, [i for i, s in enumerate(scheduled) if s.samples])
+        inputs, last_row, chunk_rows = self.prepare(spans, copies, [i for i, s in enumerate(scheduled) if s.samples],
+                                                    verify_spans=[i for i, s in enumerate(scheduled) if s.draft_ids])
         if self.tp.is_parallel:
             self.tp.broadcast_object(("step", inputs))
         hidden = self.run(inputs)
@@ -312,14 +320,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_spans(self, spans: list[TokenSpan], num_layers: int | None = None) -> StepBatch:
-        """A drafter's pass over token spans on this process only (speculative decoding is refused with
-        tensor parallelism). ``num_layers`` runs only the first L layers (+ final norm), reading and
-        writing only those layers' KV — the layer_skip drafter's pass."""
-        if self.tp.is_parallel:
-            raise RuntimeError("draft passes run on one process: speculative decoding with tensor parallelism "
-                               "is refused (unsupported.py)")
+        """A drafter's pass over token spans. ``num_layers`` runs only the first L layers (+ final norm),
+        reading and writing only those layers' KV — the layer_skip drafter's pass, which under tensor
+        parallelism runs on every rank like a step (rank 0 broadcasts its inputs; the logits then come
+        from ``compute_logits(batch, rows)``). A draft model's runner has no tensor-parallel group: its
+        passes run on rank 0 alone."""
         inputs, last_row, chunk_rows = self.prepare(spans, num_layers=num_layers)
+        if self.tp.is_parallel:
+            self.tp.broadcast_object(("step", inputs))
         return StepBatch(self.run(inputs), last_row, chunk_rows)
+
+    def copy_blocks_on_every_rank(self, copies: list[tuple[int, int]]) -> None:
+        """Rank 0: apply copy-on-write ``copies`` now on every rank (before a drafter reads the KV; a step
+        carries its own copies otherwise)."""
+        if copies and self.tp.is_parallel:
+            self.tp.broadcast_object(("copy", list(copies)))
+        self.copy_blocks(copies)
 
     @torch.inference_mode()
     def compute_logits(self, batch: StepBatch | torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
@@ -358,11 +374,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def serve(self, msg) -> bool:
-        """Worker ranks: carry out one message of rank 0 (``("step", StepInputs)``, ``("logits", rows)``,
-        ``("probe", (rows, iters))``); returns False for ``("stop",)``."""
+        """Worker ranks: carry out one message of rank 0 (``("step", StepInputs)``, ``("copy", copies)``,
+        ``("logits", rows)``, ``("probe", (rows, iters))``); returns False for ``("stop",)``."""
         kind = msg[0]
         if kind == "step":
             self.run(msg[1])
+        elif kind == "copy":
+            self.copy_blocks(msg[1])
         elif kind == "logits":
             self.model.compute_logits(self.last_hidden[torch.tensor(msg[1], dtype=torch.long, device=self.device)])
         elif kind == "probe":

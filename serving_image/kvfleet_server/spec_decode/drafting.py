@@ -20,13 +20,14 @@ from .proposer import DraftRequest, Drafts
 
 def draft_autoregressive(reqs: list[DraftRequest], first_span: Callable[[DraftRequest], TokenSpan],
                          run: Callable[[list[TokenSpan]], StepBatch],
-                         compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> list[Drafts]:
+                         compute_logits: Callable[[StepBatch, list[int]], torch.Tensor]) -> list[Drafts]:
     """Draft up to ``r.num_drafts`` tokens per request.
 
     Args:
         first_span: the tokens round 0 computes for a request (must end with its last token).
         run: the drafter's forward pass over spans (writes its KV), returning hidden states.
-        compute_logits: [N, hidden] → [N, vocab] float32.
+        compute_logits: (batch, rows) → [len(rows), vocab] float32 (``ModelRunner.compute_logits``: under
+            tensor parallelism every rank computes its vocabulary shard of the same rows).
     """
     toks: list[list[int]] = [[] for _ in reqs]
     qs: list[list[torch.Tensor]] = [[] for _ in reqs]
@@ -42,7 +43,7 @@ def draft_autoregressive(reqs: list[DraftRequest], first_span: Callable[[DraftRe
             else:
                 spans.append(TokenSpan([toks[i][-1]], r.seq.num_computed_tokens + rnd, r.block_table))
         batch = run(spans)
-        logits = compute_logits(batch.hidden[torch.tensor(batch.last_row, device=batch.hidden.device)])
+        logits = compute_logits(batch, batch.last_row)
         rand = [j for j, i in enumerate(live) if not reqs[i].seq.request.params.greedy]
         greedy_next = logits.argmax(-1).tolist()
         probs = filter_probs(logits[rand], [reqs[live[j]].seq.request.params for j in rand]) if rand else None
