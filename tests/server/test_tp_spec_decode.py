@@ -1,7 +1,8 @@
 """Speculative decoding under tensor parallelism (issue 10 x tensor parallelism): layer_skip and
 draft_model at TP = 2 give the greedy tokens of TP = 1 without speculation, through n > 1 (copy-on-write
 copies that every rank applies before the drafters read the KV), prefix-cache hits and preemption under a
-small pool; the pool's reference counts hold after every step and every block is free at the end.
+small pool; the pool's reference counts hold after every step and every block is free at the end, and
+the verification rows' logits come with the step (no second broadcast).
 
 layer_skip's draft passes run on every rank (the target's own sharded first layers); a draft model is
 unsharded and runs on rank 0 alone; verification rows' logits are computed with the step. Ranks 1..N-1
@@ -43,9 +44,11 @@ def run(model: str, tp: int, spec: dict | None):
     eng = LLMEngine(EngineConfig(model=model, tensor_parallel_size=tp, dtype="float32", device="cpu",
                                  kv_cache_memory_bytes=KV_BLOCKS * (BLOCK_BYTES_TP1 // tp + draft), num_threads=1,
                                  max_num_batched_tokens=32, speculative_config=spec))
-    copies = []
+    copies, messages = [], []
     real = eng.runner.copy_blocks_on_every_rank
     eng.runner.copy_blocks_on_every_rank = lambda c: (copies.extend(c), real(c))
+    send = eng.runner.tp.broadcast_object
+    eng.runner.tp.broadcast_object = lambda obj=None: (messages.append(obj[0]), send(obj))[1]
     try:
         assert eng.num_blocks == KV_BLOCKS
         assert len(eng.workers.pids() if eng.workers else []) == tp - 1
@@ -60,7 +63,7 @@ def run(model: str, tp: int, spec: dict | None):
         assert_all_blocks_free(eng)
         outs = {(rid, c.index): (c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
                 for rid, o in finals.items() for c in o.outputs}
-        return outs, check, sum(hits), copies
+        return outs, check, sum(hits), copies, messages
     finally:
         eng.shutdown()
 
@@ -81,13 +84,15 @@ def test_speculation_at_tp2_gives_the_tokens_of_tp1(heads_8_2, plain_tp1, method
     spec = dict(SPECS[method])
     if spec.get("model") == "TARGET":
         spec["model"] = heads_8_2  # the target as its own draft: every draft accepted, the KV paths exercised
-    ref, _, ref_hits, _ = plain_tp1
-    got, check, hits, copies = run(heads_8_2, 2, spec)
+    ref, _, ref_hits, _, _ = plain_tp1
+    got, check, hits, copies, messages = run(heads_8_2, 2, spec)
     assert check.drafts > 0 and check.draft_tokens > check.drafts  # speculation ran, several drafts a step
     assert check.preemptions > 0 and hits > 0 and ref_hits > 0
     assert copies, "n = 2 forks share a partial block: its copy-on-write copy is applied on every rank"
     if method == "draft_model":
         assert check.accepted == check.draft_tokens  # the draft is the target: nothing rejected
+        # its passes run on rank 0 alone, and every verification row's logits come with the step
+        assert "logits" not in messages and "step" in messages, set(messages)
     assert got.keys() == ref.keys()
     for key, (toks, lps) in ref.items():
         assert got[key][0] == toks, key

@@ -115,14 +115,8 @@ class LLMEngine:
                 gguf.close()  # drop the file mapping: the weights are copied into the model
             self.tokenizer, timings["tokenizer (in a thread)"] = tokenizer.result()
             lap("tokenizer wait")
-            if self.workers is not None:
-                self.workers.wait_loaded()
-                lap("tensor-parallel workers loaded")
-                self.tp.connect(self.workers.init_method)
-                lap("tensor-parallel connect")
-            self.model_name = config.resolved_served_name()
-            self.block_size = bs = config.block_size
-            self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+            # the draft model loads while the workers load their shards, before the process groups form
+            # (their collectives time out: executor/distributed.py)
             self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
                                 if config.speculative_config else None)
             self.proposer = None
@@ -133,6 +127,14 @@ class LLMEngine:
                 if spec_kw["num_speculative_tokens"]:  # a draft that cannot pay here is never loaded
                     self.proposer = build_proposer(self.spec_config, self.dtype, self.device, max_len)
                 lap("draft model")
+            if self.workers is not None:
+                self.workers.wait_loaded()
+                lap("tensor-parallel workers loaded")
+                self.workers.join(self.tp)
+                lap("tensor-parallel connect")
+            self.model_name = config.resolved_served_name()
+            self.block_size = bs = config.block_size
+            self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
             self.runner, self.num_blocks = size_kv_pool(
                 config, self.model, self.tp, self.device,
                 extra_kv_bytes_per_token=self.proposer.extra_kv_bytes_per_token if self.proposer else 0)

@@ -12,7 +12,9 @@ under the same block ids, so rank 0's block tables address all of them.
 
 A step is ``prepare`` (rank 0 only: scheduled sequences → ``StepInputs``, plain lists) then ``run``
 (every rank: tensors → model). Rank 0's ``execute`` broadcasts the ``StepInputs`` once per step; the
-other ranks receive it in ``workers.py`` and call ``serve``.
+other ranks receive it in ``workers.py`` and call ``serve``. Speculative decoding adds messages: a
+layer_skip draft pass is a ``("step", ...)`` of its own and its logits a ``("logits", rows)``, and
+copy-on-write copies the drafters need first are a ``("copy", ...)``.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class StepInputs:
         prefills: (q_start, q_len, ctx_len, block table [ceil(ctx_len / block_size)]) per chunk.
         copies: copy-on-write block copies (src, dst) to apply before the step.
         logit_rows: rows whose logits are computed with the step (tensor parallelism: the sampling
-            rows, so that a decode step needs no second broadcast).
+            rows and every verification row, so that a decode step needs no second broadcast).
         num_layers: run only the first L decoder layers (the layer_skip drafter's pass); None: all.
     """
 
@@ -341,8 +343,9 @@ class ModelRunner:
     def compute_logits(self, batch: StepBatch | torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """Logits of rows ``rows`` of ``batch.hidden``: [len(rows), vocab] float32.
 
-        With tensor parallelism, rows computed with the step (the sampling rows) are looked up; others
-        (prompt logprobs) cost one more broadcast and a gather. Without it, ``batch`` may also be a
+        With tensor parallelism, rows computed with the step (the sampling and verification rows) are
+        looked up; others (prompt logprobs, a layer_skip draft pass's rows) cost one more broadcast and a
+        gather. Without it, ``batch`` may also be a
         hidden-state tensor [N, hidden] (all its rows).
         """
         if isinstance(batch, torch.Tensor):

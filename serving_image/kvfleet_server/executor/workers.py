@@ -7,14 +7,15 @@ own intra-op threads and, when the machine has a core per rank, its own cores. R
 two channels:
 
 * a control socket (``socket.socketpair``, one per worker): the start-up order, then "loaded" or the
-  worker's error; afterwards only its closing matters — EOF on the worker's side means rank 0 is gone
+  worker's error, then rank 0's "connect"; afterwards only its closing matters — EOF on the worker's side means rank 0 is gone
   (even after SIGKILL: the kernel closes the socket), and the worker exits at once; EOF on rank 0's side
   means the worker died, and ``WorkerGroup.watch`` reports which rank.
 * the process groups (``distributed.TPGroup``): the per-step broadcast, all-reduce and logits gather.
 
-Start-up (``WorkerGroup.start`` → ``wait_loaded`` → ``TPGroup.connect``): every rank loads its shard in
-parallel; the process groups are joined only once every worker has said "loaded", so rendezvous never
-waits on a worker that crashed — a worker that fails sends its traceback (or dies: EOF) and start-up
+Start-up (``WorkerGroup.start`` → ``wait_loaded`` → ``join``): every rank loads its shard in parallel
+(rank 0 also its draft model, if any); the process groups are joined only once every worker has said
+"loaded" and rank 0 is done loading (a worker waits for rank 0's "connect" however long that takes:
+the rendezvous itself has a 120 s timeout), so rendezvous never waits on a worker that crashed — a worker that fails sends its traceback (or dies: EOF) and start-up
 ends with "tensor-parallel rank r failed to start: ..." instead of a hang.
 
 The parent-death signal (prctl PR_SET_PDEATHSIG) is not used: it fires when the *thread* that spawned
@@ -197,6 +198,13 @@ class WorkerGroup:
                 del pending[conn]
         return [w.report for w in self.workers]
 
+    def join(self, tp) -> None:
+        """Rank 0, after ``wait_loaded`` and its own loading: tell every worker to join the process groups,
+        then join them (``tp``: rank 0's TPGroup)."""
+        for w in self.workers:
+            w.conn.send(("connect", None))
+        tp.connect(self.init_method)
+
     def watch(self, on_death) -> None:
         """Call ``on_death(rank, pid, exit_code)`` (from a daemon thread) when a worker dies, unless it
         was stopped by ``stop()``."""
@@ -298,13 +306,19 @@ def _wait_code(proc: subprocess.Popen, timeout: float = 5.0):
 
 
 # --------------------------------------------------------------------------------------------- worker side
+_connect_order = threading.Event()  # rank 0's "connect": it is done loading, the groups can form
+
+
 def _watch_parent(conn: Connection) -> None:
-    """Exit this worker when rank 0 closes the control socket (it died or said "stop")."""
+    """Exit this worker when rank 0 closes the control socket (it died or said "stop"); pass on its
+    "connect"."""
     try:
         while True:
             kind, _ = conn.recv()
             if kind == "stop":
                 os._exit(0)
+            if kind == "connect":
+                _connect_order.set()
     except (EOFError, OSError):
         pass
     logging.getLogger("kvfleet.workers").error("rank 0 is gone: exiting")
@@ -345,6 +359,7 @@ def worker_main(conn: Connection) -> int:
         except OSError:
             pass
         return 1
+    _connect_order.wait()
     tp.connect(order["init_method"])
     runner, _ = size_kv_pool(config, model, tp)
     prepare_model(config, model, tp)
