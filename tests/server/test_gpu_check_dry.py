@@ -22,8 +22,15 @@ def test_gpu_check_dry_run(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["dry_run"] is True
     assert {r["gqa"] for r in res["kernels"]} == {1, 4, 8}
-    assert all(r["cache_equal"] for r in res["kernels"])
+    assert {r["dtype"] for r in res["kernels"]} == {"float32", "bfloat16", "float16", "bfloat16/fp8-kv",
+                                                     "float16/fp8-kv"}
+    assert len({r["block_size"] for r in res["kernels"]}) == 2
+    assert all(r["cache_equal"] and r["ok"] for r in res["kernels"])
     assert [r["batch"] for r in res["decode"]] == [1, 2]
     assert res["prefill"]["tok_s"] > 0
-    assert res["server"]["ok"] and res["server"]["chunks"] >= 1
+    assert res["fp8"]["top1_agree"] > 0.5 and res["fp8"]["logits_rel_err"] < 0.1
+    server = res["server"]
+    assert server["ok"] and server["chunks"] == 16
+    assert int(server["cache_config_info"]["num_gpu_blocks"]) > 0
+    assert all(d["kv_usage"] > 0 for d in server["during"]) and server["kv_usage_idle"] == 0
     assert proc.stdout.strip().splitlines()[-1].startswith("targets (H200)")
