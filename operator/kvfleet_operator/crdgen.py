@@ -8,8 +8,8 @@ The conversion from pydantic's JSON schema to a Kubernetes *structural* schema: 
 ``Optional[X]`` becomes X (optional = not in ``required``), titles dropped, object defaults become
 ``{}`` so the API server defaults nested fields, and the CEL rules of ``api`` are attached as
 ``x-kubernetes-validations``; the result is checked against the structural-schema rules the API server
-applies (``structural.py``: a schema it would refuse fails generation). kopf keeps its state in annotations (see handlers.configure), so
-no part of the status needs ``x-kubernetes-preserve-unknown-fields``.
+applies (``structural.py``: a schema it would refuse fails generation). kopf keeps its state in
+annotations (see handlers.configure), so no part of the status needs ``x-kubernetes-preserve-unknown-fields``.
 """
 from __future__ import annotations
 
