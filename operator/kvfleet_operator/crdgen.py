@@ -213,9 +213,13 @@ def crd_yaml() -> str:
 
 
 def peering_yaml() -> str:
-    """kopf's peering CRDs (see peering.py), committed next to the InferenceService CRD."""
+    """kopf's peering CRDs (see peering.py), committed next to the InferenceService CRD (structural, checked
+    like it)."""
     from .peering import peering_crds
-    return _HEADER.format(src="peering.py") + yaml.safe_dump_all(peering_crds(), sort_keys=False, width=120)
+    crds = peering_crds()
+    for version in (v for crd in crds for v in crd["spec"]["versions"]):
+        structural.check(version["schema"]["openAPIV3Schema"])
+    return _HEADER.format(src="peering.py") + yaml.safe_dump_all(crds, sort_keys=False, width=120)
 
 
 def generated_files() -> dict[Path, str]:

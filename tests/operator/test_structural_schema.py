@@ -20,10 +20,13 @@ def _root(**props) -> dict:
     return {"type": "object", "properties": {"spec": {"type": "object", "properties": props}}}
 
 
-def test_the_generated_crd_is_structural():
-    for path in (ROOT / "crds" / crdgen.CRD_FILENAME, ROOT / "charts" / "kvfleet" / "crds" / crdgen.CRD_FILENAME):
-        crd = yaml.safe_load(path.read_text())
-        assert structural.problems(crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]) == []
+def test_the_generated_crds_are_structural():
+    paths = [d / name for d in (ROOT / "crds", ROOT / "charts" / "kvfleet" / "crds")
+             for name in (crdgen.CRD_FILENAME, crdgen.PEERING_FILENAME)]
+    for path in paths:
+        for crd in yaml.safe_load_all(path.read_text()):
+            for version in crd["spec"]["versions"]:
+                assert structural.problems(version["schema"]["openAPIV3Schema"]) == [], path
 
 
 def test_quantities_use_the_exact_int_or_string_form_with_the_pattern_beside_it():
