@@ -27,23 +27,12 @@ DEFAULT_PULL_POLICY = "IfNotPresent"
 MODEL_URI_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]+|s3://[a-z0-9][a-z0-9.-]*(/[^\s]*)?|bundled://smollm2)$"
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 DNS1035 = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
-# kvfleet-server flags the operator renders from spec fields (flag -> field). extraArgs may not repeat
-# them (the last occurrence would win: e.g. --port would move the server away from its probes and
-# Service), nor abbreviate them (argparse accepts unique prefixes). Checked by the model validator
-# (render and the reconcile refuse: Degraded InvalidSpec), not by CEL: prefix matching over up to 64
-# unbounded strings would risk the API server's CEL cost budget.
-RENDERED_FLAGS = {
-    "--model": "spec.model.uri", "--served-model-name": "spec.model.name", "--tokenizer": "spec.model.tokenizer",
-    "--host": "(always 0.0.0.0)", "--port": "spec.service.port", "--device": "spec.resources.gpus",
-    "--dtype": "spec.engine.dtype", "--block-size": "spec.engine.blockSize",
-    "--gpu-memory-utilization": "spec.engine.gpuMemoryUtilization", "--max-model-len": "spec.engine.maxModelLen",
-    "--max-num-seqs": "spec.engine.maxNumSeqs", "--max-num-batched-tokens": "spec.engine.maxNumBatchedTokens",
-    "--enable-prefix-caching": "spec.engine.enablePrefixCaching",
-    "--no-enable-prefix-caching": "spec.engine.enablePrefixCaching",
-    "--quantization": "spec.engine.quantization", "--kv-cache-dtype": "spec.engine.kvCacheDtype",
-    "--tensor-parallel-size": "spec.engine.tensorParallelSize", "--speculative-config": "spec.engine.speculative",
-    "--shutdown-timeout": "spec.engine.shutdownTimeoutSeconds", "--num-threads": "spec.resources.cpu",
-}
+# Server flags the operator renders from spec fields (flag -> field; the table of runtime.py). extraArgs may
+# not repeat them (the last occurrence would win: e.g. --port would move the server away from its probes and
+# Service), nor abbreviate them (argparse accepts unique prefixes). Checked by the model validator (render and
+# the reconcile refuse: Degraded InvalidSpec), not by CEL: prefix matching over up to 64 unbounded strings
+# would risk the API server's CEL cost budget.
+from .runtime import RENDERED_FLAGS  # noqa: E402
 
 
 class _Model(BaseModel):
@@ -168,11 +157,18 @@ class EnvVar(_Model):
 
 
 class EngineConfig(_Model):
-    """kvfleet-server settings; each field is rendered as the server's vLLM-style flag."""
+    """Serving engine settings; each field is rendered as the server's vLLM-style flag (both runtimes)."""
+    runtime: Literal["kvfleet", "vllm"] = Field(
+        default="kvfleet", description="Serving engine: kvfleet (kvfleet-server) or vllm (upstream vLLM, `vllm "
+                                       "serve` in the vllm/vllm-openai image: the chart's vllmImage). The same "
+                                       "fields render the same vLLM-style flags, probes, port and metrics; a "
+                                       "setting vLLM lacks (speculative method layer_skip, quantization "
+                                       "int8/int4, CPU serving, kvfleet-only extraArgs) is refused, naming the "
+                                       "field.")
     image: str | None = Field(default=None, min_length=1, max_length=512,
-                              description="Serving image running kvfleet-server. Unset: the operator's serving "
-                                          "image (the chart's servingImage), so an upgrade moves every object "
-                                          "that does not pin one.")
+                              description="Serving image running the runtime's server. Unset: the operator's "
+                                          "image for the runtime (the chart's servingImage, or vllmImage for "
+                                          "runtime vllm), so an upgrade moves every object that does not pin one.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None, description="Image pull policy of the server container. Unset: the operator's "
                                   "(the chart's servingImage.pullPolicy).")
@@ -205,8 +201,9 @@ class EngineConfig(_Model):
                     "terminationGracePeriodSeconds is derived from it.")
     speculative: SpeculativeConfig | None = Field(default=None, description="Speculative decoding.")
     extra_args: list[str] = Field(default_factory=list, max_length=64,
-                                  description="Extra kvfleet-server flags, appended after the rendered ones "
-                                              "(flags rendered from spec fields, e.g. --port, are refused).")
+                                  description="Extra flags of the runtime's server (kvfleet-server or vllm "
+                                              "serve), appended after the rendered ones (flags rendered from spec "
+                                              "fields, e.g. --port, are refused).")
     env: list[EnvVar] = Field(default_factory=list, max_length=64,
                               description="Environment variables of the server container (names unique).",
                               json_schema_extra={"x-kubernetes-list-type": "map",

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from . import api
+from . import api, runtime
 
 OPERATOR_MODULES = ("kvfleet_operator.handlers", "kvfleet_operator.autoscaler")
 
@@ -96,8 +96,8 @@ def _render(args: argparse.Namespace) -> int:
             continue
         doc = admission.apply_defaults(doc, admission.schema())
         try:
-            children = render.render(doc, defaults=render.ServingDefaults(args.serving_image,
-                                                                          args.serving_image_pull_policy))
+            children = render.render(doc, defaults=render.ServingDefaults(
+                args.serving_image, args.serving_image_pull_policy, args.vllm_image))
         except render.Unrealisable as exc:
             print(f"error: {name}: {exc.reason}: {exc.message}", file=sys.stderr)
             failed = True
@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--serving-image-pull-policy", choices=["Always", "IfNotPresent", "Never"],
                         default=os.environ.get("KVFLEET_SERVING_IMAGE_PULL_POLICY") or api.DEFAULT_PULL_POLICY,
                         help="pull policy for specs without engine.imagePullPolicy (default: %(default)s)")
+    render.add_argument("--vllm-image", default=os.environ.get("KVFLEET_VLLM_IMAGE") or runtime.DEFAULT_VLLM_IMAGE,
+                        help="image for specs with engine.runtime vllm and without engine.image, as the chart's "
+                             "vllmImage gives the operator (default: env KVFLEET_VLLM_IMAGE, else %(default)s)")
     render.set_defaults(func=_render)
     crd = sub.add_parser("crd", help="print the InferenceService CRD")
     crd.add_argument("--peering", action="store_true", help="also print kopf's peering CRDs")

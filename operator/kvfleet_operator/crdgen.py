@@ -7,8 +7,9 @@ CRDs, see peering.py) and byte-identical copies in charts/kvfleet/crds/; ``--che
 The conversion from pydantic's JSON schema to a Kubernetes *structural* schema: ``$ref`` inlined,
 ``Optional[X]`` becomes X (optional = not in ``required``), titles dropped, object defaults become
 ``{}`` so the API server defaults nested fields, and the CEL rules of ``api`` are attached as
-``x-kubernetes-validations``. kopf keeps its state in annotations (see handlers.configure), so
-no part of the status needs ``x-kubernetes-preserve-unknown-fields``.
+``x-kubernetes-validations``; the result is checked against the structural-schema rules the API server
+applies (``structural.py``: a schema it would refuse fails generation). kopf keeps its state in
+annotations (see handlers.configure), so no part of the status needs ``x-kubernetes-preserve-unknown-fields``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from . import api
+from . import api, structural
 
 CRD_FILENAME = f"{api.GROUP}_{api.PLURAL}.yaml"
 PEERING_FILENAME = "kopf.dev_peerings.yaml"
@@ -49,13 +50,7 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         return _structural(merged, defs)
     node = dict(node)
     if node.get("x-kubernetes-int-or-string"):
-        pattern = node.pop("pattern", None)
-        out = {k: v for k, v in node.items() if k in ("description", "default")}
-        out["x-kubernetes-int-or-string"] = True
-        out["anyOf"] = [{"type": "integer"}, {"type": "string", **({"pattern": pattern} if pattern else {})}]
-        if out.get("default") is None:
-            out.pop("default", None)
-        return out
+        return _int_or_string(node)
     if "anyOf" in node:
         branches = [b for b in node.pop("anyOf") if b.get("type") != "null"]
         if len(branches) != 1:
@@ -98,6 +93,17 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _int_or_string(node: dict[str, Any]) -> dict[str, Any]:
+    """An int-or-string field (a Kubernetes quantity) in the one form a structural schema allows:
+    ``anyOf: [{type: integer}, {type: string}]`` with ``x-kubernetes-int-or-string: true``, and value
+    validations (``pattern``, checked on strings only) beside the anyOf, never inside it (as controller-gen
+    writes resource.Quantity)."""
+    out = {k: v for k, v in node.items() if k in ("description", "default", "pattern") and v is not None}
+    out["x-kubernetes-int-or-string"] = True
+    out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out
+
+
 def _object_defaults(model: type[BaseModel], node: dict[str, Any]) -> None:
     """Give ``default: {}`` to nested objects whose pydantic field defaults to an empty model, so the API
     server defaults their fields when the user omits the whole object (as the models do)."""
@@ -130,7 +136,8 @@ def _ordered(node: Any) -> Any:
 
 
 def openapi_schema() -> dict[str, Any]:
-    """The openAPIV3Schema of the InferenceService CRD (a structural schema)."""
+    """The openAPIV3Schema of the InferenceService CRD. Raises structural.StructuralSchemaError when the
+    API server would refuse it as not structural (``structural.problems``)."""
     spec_js = api.InferenceServiceSpec.model_json_schema(by_alias=True, mode="validation")
     status_js = api.InferenceServiceStatus.model_json_schema(by_alias=True, mode="serialization")
     spec = _structural(spec_js, spec_js.get("$defs", {}))
@@ -151,6 +158,7 @@ def openapi_schema() -> dict[str, Any]:
         },
     }
     _attach_rules(schema)
+    structural.check(schema)
     return _ordered(schema)
 
 
@@ -205,9 +213,13 @@ def crd_yaml() -> str:
 
 
 def peering_yaml() -> str:
-    """kopf's peering CRDs (see peering.py), committed next to the InferenceService CRD."""
+    """kopf's peering CRDs (see peering.py), committed next to the InferenceService CRD (structural, checked
+    like it)."""
     from .peering import peering_crds
-    return _HEADER.format(src="peering.py") + yaml.safe_dump_all(peering_crds(), sort_keys=False, width=120)
+    crds = peering_crds()
+    for version in (v for crd in crds for v in crd["spec"]["versions"]):
+        structural.check(version["schema"]["openAPIV3Schema"])
+    return _HEADER.format(src="peering.py") + yaml.safe_dump_all(crds, sort_keys=False, width=120)
 
 
 def generated_files() -> dict[Path, str]:
@@ -221,8 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=".", help="repository root (default: current directory)")
     parser.add_argument("--check", action="store_true", help="exit 1 if the files differ from the generated CRD")
     args = parser.parse_args(argv)
+    try:
+        files = generated_files()
+    except structural.StructuralSchemaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     stale = []
-    for rel, text in generated_files().items():
+    for rel, text in files.items():
         path = Path(args.root) / rel
         current = path.read_text() if path.exists() else None
         if current != text:

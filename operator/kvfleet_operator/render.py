@@ -4,8 +4,9 @@ No I/O. ``render(obj, replicas=...)`` returns plain dicts ready for the API; ``p
 the spec with the api models (defaults filled in); ``Unrealisable`` is raised for specs that pass the
 schema but cannot be run (the reconcile reports them as Degraded and does not retry).
 
-Choices (see docs/operator.md): the server container runs ``kvfleet-server`` with every engine field
-as its vLLM-style flag; the startup probe allows ``probes.startupTimeoutSeconds`` exactly
+Choices (see docs/operator.md): the server container runs the runtime's server (``kvfleet-server``, or
+``vllm serve`` for ``engine.runtime: vllm``: runtime.py) with every engine field as its vLLM-style flag;
+the startup probe allows ``probes.startupTimeoutSeconds`` exactly
 (periodSeconds x failureThreshold); terminationGracePeriodSeconds = preStop sleep + drain timeout +
 margin; rolling updates use maxSurge 0 / maxUnavailable 1 because a surge pod that cannot get a GPU
 deadlocks a full cluster; pods run as non-root with a read-only root filesystem.
@@ -22,11 +23,11 @@ import pydantic
 from kvfleet_server.cli import FlagError, parse_flags, threads_for_cpus
 from kvfleet_server.errors import UnsupportedFeatureError
 
-from . import api
+from . import api, runtime
 from .apply import quantity
 
 MANAGED_BY = "kvfleet-operator"
-SERVER_CONTAINER = "kvfleet-server"
+SERVER_CONTAINER = "kvfleet-server"  # the server container's name, whatever the runtime (tools find it by name)
 HTTP_PORT_NAME = "http"
 MODEL_ROOT = "/models"
 PRESTOP_SLEEP_SECONDS = 5
@@ -46,14 +47,21 @@ HF_DOWNLOAD = (
 class ServingDefaults:
     """What an InferenceService leaves to the operator: the serving image and its pull policy
     (the chart's servingImage, given to the operator as KVFLEET_SERVING_IMAGE /
-    KVFLEET_SERVING_IMAGE_PULL_POLICY; ``from_env`` reads them once at start-up)."""
+    KVFLEET_SERVING_IMAGE_PULL_POLICY), and the image of runtime vllm (the chart's vllmImage,
+    KVFLEET_VLLM_IMAGE; same pull policy). ``from_env`` reads them once at start-up."""
     image: str = api.DEFAULT_IMAGE
     pull_policy: str = api.DEFAULT_PULL_POLICY
+    vllm_image: str = runtime.DEFAULT_VLLM_IMAGE
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "ServingDefaults":
         return cls(image=env.get("KVFLEET_SERVING_IMAGE") or api.DEFAULT_IMAGE,
-                   pull_policy=env.get("KVFLEET_SERVING_IMAGE_PULL_POLICY") or api.DEFAULT_PULL_POLICY)
+                   pull_policy=env.get("KVFLEET_SERVING_IMAGE_PULL_POLICY") or api.DEFAULT_PULL_POLICY,
+                   vllm_image=env.get("KVFLEET_VLLM_IMAGE") or runtime.DEFAULT_VLLM_IMAGE)
+
+    def image_for(self, name: str) -> str:
+        """The default image of runtime ``name``."""
+        return self.vllm_image if name == runtime.VLLM else self.image
 
 
 class Unrealisable(Exception):
@@ -203,7 +211,8 @@ def _resolve(uri: str, spec: api.InferenceServiceSpec, m: _Mounts, what: str) ->
 
 
 def server_args(spec: api.InferenceServiceSpec, model_path: str, draft_path: str | None) -> list[str]:
-    """kvfleet-server flags for every engine field (vLLM's flag names), then extraArgs."""
+    """Server flags for every engine field (vLLM's flag names, kvfleet-server's form: ``--model`` first),
+    then extraArgs; ``container_args`` turns them into the runtime's arguments."""
     e = spec.engine
     gpu = spec.gpus > 0
     args = ["--model", model_path, "--served-model-name", spec.served_model_name,
@@ -271,6 +280,20 @@ def check_server_args(args: list[str]) -> None:
         raise Unrealisable("InvalidSpec", f"kvfleet-server would refuse its flags: {exc}") from None
 
 
+def container_args(spec: api.InferenceServiceSpec, args: list[str]) -> list[str]:
+    """The server container's arguments for ``server_args`` output, in the form of ``spec.engine.runtime``.
+
+    Raises Unrealisable(UnsupportedFeature) naming each field whose setting the runtime lacks
+    (``runtime.refusals``), and, for kvfleet, whatever ``check_server_args`` refuses."""
+    name = spec.engine.runtime
+    refused = runtime.refusals(name, args)
+    if refused:
+        raise Unrealisable("UnsupportedFeature", "; ".join(refused))
+    if name == runtime.KVFLEET:
+        check_server_args(args)
+    return runtime.command_args(name, args)
+
+
 # ---------------------------------------------------------------------------------------- render
 @dataclass(frozen=True)
 class Children:
@@ -314,9 +337,9 @@ def render(obj: dict[str, Any], replicas: int | None = None,
         if sp is not None and sp.draft_model else None
     gpus = spec.gpus
     e = spec.engine
-    args = server_args(spec, model_path, draft_path)
-    check_server_args(args)
-    image, pull_policy = e.image or defaults.image, e.image_pull_policy or defaults.pull_policy
+    args = container_args(spec, server_args(spec, model_path, draft_path))
+    server = runtime.RUNTIMES[e.runtime]
+    image, pull_policy = e.image or defaults.image_for(e.runtime), e.image_pull_policy or defaults.pull_policy
 
     env = [v.model_dump(by_alias=True, exclude_none=True) for v in e.env]
     env_names = {v["name"] for v in env}
@@ -343,7 +366,7 @@ def render(obj: dict[str, Any], replicas: int | None = None,
         "name": SERVER_CONTAINER,
         "image": image,
         "imagePullPolicy": pull_policy,
-        "command": ["kvfleet-server"],
+        "command": list(server.command),
         "args": args,
         "ports": [{"name": HTTP_PORT_NAME, "containerPort": spec.service.port, "protocol": "TCP"}],
         "env": env,
@@ -362,7 +385,7 @@ def render(obj: dict[str, Any], replicas: int | None = None,
         "name": f"model-download-{i}" if i else "model-download",
         "image": image,
         "imagePullPolicy": pull_policy,
-        "command": ["python", "-c", HF_DOWNLOAD, repo, revision, target],
+        "command": [server.python, "-c", HF_DOWNLOAD, repo, revision, target],
         "env": env,
         "volumeMounts": volume_mounts,
         "securityContext": _security_context(),

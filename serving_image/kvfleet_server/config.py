@@ -85,7 +85,7 @@ class EngineConfig:
         tensor_parallel_size: N ranks holding 1/N of every layer (rank 0 is this process, ranks 1..N-1
             are spawned worker processes: ``executor/workers.py``); the model's head counts must split.
         speculative_config: speculative decoding, vLLM's JSON keys (methods ngram, draft_model, layer_skip;
-            docs/spec_decode.md); validated by ``spec_decode.config.SpeculativeConfig``.
+            docs/spec_decode.md); validated by ``spec_decode_config.SpeculativeConfig``.
         seed: seeds the RNG used for requests without their own seed.
         max_logprobs: most log-probabilities a request may ask for per token (logprobs, top_logprobs,
             prompt_logprobs); -1 means the vocabulary size (vLLM's --max-logprobs, default 20).
@@ -167,7 +167,7 @@ class EngineConfig:
                 f"not supported: quantization={q!r}{why}; expected one of {list(QUANTIZATION_CHOICES)}")
         from .checkpoint_quantization import check_quantization_flag
 
-        check_quantization_flag(q, self.checkpoint_quantization(), self.resolved_model())
+        check_quantization_flag(q, self.checkpoint_quantization(), self.model or BUNDLED_MODEL_ALIASES[0])
         if q == "gguf" and self.model and self.model.lower() not in BUNDLED_MODEL_ALIASES \
                 and not self.model.endswith(".gguf"):
             raise UnsupportedFeatureError(
@@ -195,7 +195,7 @@ class EngineConfig:
                 raise ValueError(f"compilation_config.level must be 0 (eager) or 3 (piecewise torch.compile), "
                                  f"got {cc.get('level')!r}")
         if self.speculative_config:
-            from .spec_decode.config import SpeculativeConfig
+            from .spec_decode_config import SpeculativeConfig
 
             SpeculativeConfig.from_dict(self.speculative_config)
         if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
@@ -259,11 +259,14 @@ class EngineConfig:
 
     def checkpoint_quantization(self) -> str | None:
         """The method the model directory's weights are stored in ("fp8" for an FP8 checkpoint; None for
-        float weights, a .gguf file or no config.json). Raises UnsupportedFeatureError naming any other
-        ``quantization_config`` (``checkpoint_quantization.py``)."""
+        float weights, a .gguf file, the bundled GGUF or no config.json). Raises UnsupportedFeatureError naming
+        any other ``quantization_config`` (``checkpoint_quantization.py``). Never needs the bundled model's
+        package: ``validate`` runs where it is absent (``kvfleet-operator render`` in the operator image)."""
         from .checkpoint_quantization import checkpoint_quantization
 
-        path = self.resolved_model()
+        if self.model is None or self.model.lower() in BUNDLED_MODEL_ALIASES:
+            return None  # the bundled model is a GGUF file: no config.json
+        path = self.model
         try:
             with open(os.path.join(path, "config.json")) as f:
                 raw = json.load(f)

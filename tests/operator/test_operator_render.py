@@ -105,7 +105,7 @@ def test_layer_skip_renders_exactly_the_server_json():
     spec = {**HF, "engine": {"speculative": {"method": "layer_skip", "numSpeculativeTokens": 3, "numDraftLayers": 12}}}
     cfg = json.loads(flag(container(render.render(isvc(spec)))["args"], "--speculative-config"))
     assert cfg == {"method": "layer_skip", "num_speculative_tokens": 3, "num_draft_layers": 12}
-    from kvfleet_server.spec_decode.config import SpeculativeConfig
+    from kvfleet_server.spec_decode_config import SpeculativeConfig
 
     assert SpeculativeConfig.from_dict(cfg).num_draft_layers == 12  # the server accepts what is rendered
 
@@ -121,7 +121,7 @@ def test_speculation_with_tensor_parallelism_renders_a_config_the_server_runs():
 
 
 def test_crd_methods_follow_the_server():
-    from kvfleet_server.spec_decode import config as server
+    from kvfleet_server import spec_decode_config as server
 
     from kvfleet_operator import api
 

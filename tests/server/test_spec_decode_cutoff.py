@@ -12,7 +12,7 @@ from kvfleet_server import SamplingParams
 from kvfleet_server.engine.scheduler import DraftGate
 from kvfleet_server.model.loader import load_model, load_model_config
 from kvfleet_server.spec_decode import draft_cost
-from kvfleet_server.spec_decode.config import SpeculativeConfig
+from kvfleet_server.spec_decode_config import SpeculativeConfig
 from kvfleet_server.spec_decode.proposer import VERIFY_COST, break_even_acceptance, config_read_bytes, decode_read_bytes
 
 from engine_helpers import assert_all_blocks_free, run_to_completion

@@ -42,7 +42,7 @@ from ..stats import IterationStats, SchedulerStats
 from ..model.tokenizer import Tokenizer
 from ..spec_decode import build_proposer, draft_cost
 from ..spec_decode.proposer import break_even_acceptance
-from ..spec_decode.config import SpeculativeConfig
+from ..spec_decode_config import SpeculativeConfig
 
 logger = logging.getLogger("kvfleet.engine")
 

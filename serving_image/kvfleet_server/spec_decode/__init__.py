@@ -6,7 +6,7 @@ for drafts, the runner verifies them in one target pass and sample/rejection.py 
 
 from __future__ import annotations
 
-from .config import SpeculativeConfig
+from ..spec_decode_config import SpeculativeConfig
 from .proposer import Proposer, config_read_bytes, decode_read_bytes
 
 

@@ -1,6 +1,10 @@
 """SpeculativeConfig: the ``--speculative-config`` JSON (vLLM's keys) parsed and validated.
 
-Methods built here: ``ngram`` (prompt lookup), ``draft_model`` (a smaller model with the same
+Pure and torch-free, beside ``config.py``: ``EngineConfig.validate`` (and so ``kvfleet-operator render`` in
+the operator image, which has no torch) checks a speculative config without importing ``spec_decode/``,
+whose proposers need torch; ``spec_decode/`` imports it from here.
+
+Methods kvfleet builds (``spec_decode/``): ``ngram`` (prompt lookup), ``draft_model`` (a smaller model with the same
 tokenizer) and ``layer_skip`` (our name: the first L layers of the target draft). Methods that need
 trained heads (eagle, eagle3, medusa, mtp, ...) are refused by name with UnsupportedFeatureError.
 """
@@ -9,10 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UnsupportedFeatureError
+from .errors import UnsupportedFeatureError
+from .unsupported import SPECULATIVE_METHODS as SUPPORTED_METHODS
+from .unsupported import UNBUILT_SPECULATIVE_METHODS as UNSUPPORTED_METHODS  # refused by name
 
-from ..unsupported import SPECULATIVE_METHODS as SUPPORTED_METHODS
-from ..unsupported import UNBUILT_SPECULATIVE_METHODS as UNSUPPORTED_METHODS  # refused by name
 MAX_SPECULATIVE_TOKENS = 16
 _COMMON = {"method", "num_speculative_tokens", "disable_by_batch_size", "min_acceptance"}
 _KEYS = {
