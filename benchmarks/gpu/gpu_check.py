@@ -1,22 +1,23 @@
 """The prepared GPU check (benchmarks/gpu/check.sh runs it): one run, under 8 minutes on an H200 by
 construction, nothing beyond torch, triton and kvfleet's pure-Python dependencies (no network).
 
-  1. kernels: each Triton kernel vs the torch backend on random paged inputs (relative error; odd
-     context lengths, shared blocks, GQA 1/4/8, fp32 and bf16, an FP8 cache);
+  1. kernels: each Triton kernel vs the torch backend on random paged inputs (relative error; contexts up
+     to 32k tokens, shared blocks, GQA 1/4/8, blocks 16 and 32, bf16/fp16/fp32, an FP8 cache);
   2. decode: a random-weight model with Llama-3.1-8B shapes in bf16 (config built in code): step time
-     at batch 1, 8, 64, 256 (context 512) eager and with CUDA graphs, tok/s, achieved bytes/s (weights
-     but the embedding table + KV, read per step) / the measured device-to-device copy bandwidth;
+     (model + logits) at batch 1, 8, 64, 256 (context 512) eager, with CUDA graphs, torch.compile'd and
+     compiled + graphs (the server's default), tok/s, achieved bytes/s (weights but the embedding table
+     + KV, read per step) / the measured device-to-device copy bandwidth, a kernel profile at batch 1;
   3. prefill: tok/s of 4 x 1024-token prompts and achieved TFLOP/s / the measured bf16 matmul rate;
-  4. server: kvfleet-server on that model shape (SmolLM2's tokenizer, so vocab 49152) answering one
-     streamed request.
+  4. fp8: ``--quantization fp8`` on the same weights (the FP8 GEMM vs float32 on the same operands, decode);
+  5. server: kvfleet-server on 4 layers of that shape (SmolLM2's tokenizer, so vocab 49152) streaming one
+     completion while /health and /metrics (the KV pool, its usage) are read.
 
-Time budget (H200, by construction): model build + random fill ~20 s; section 1 ~15 s (24 small
-launches + compile); section 2: 4 sizes x (10 warm-up + 30 timed eager, capture + 30 timed graphs)
-~60 s, most of it Triton compiles; section 3: 3 + 5 prefills of 4096 tokens ~15 s; section 4: save
-16 GB of safetensors, start, load, one request ~120-180 s. check.sh kills it at 470 s.
+Time on an H200 (2026-12-04): section 1 ~60 s (Triton compiles), 2 + 3 ~35 s (Inductor compile
+included), 4 ~20 s, 5 ~50 s. check.sh kills it at 470 s. Figures: docs/gpu.md.
 
-``--dry-run``: tiny shapes on the CPU under the Triton interpreter (graphs are CUDA-only: skipped),
-what CI runs. Writes ``results.json`` into the results directory and prints a table last.
+``--dry-run``: tiny shapes on the CPU under the Triton interpreter (graphs are CUDA-only: skipped; no
+torch.compile: Inductor on 2 cores takes minutes), what CI runs. Writes ``results.json`` into the results
+directory and prints a table last.
 """
 
 from __future__ import annotations
@@ -168,6 +169,12 @@ def matmul_rate(dev, n: int) -> float:
     return 2 * n**3 / timed(lambda: a @ b, dev, 3, 10)
 
 
+def step(runner: ModelRunner, inp: StepInputs) -> torch.Tensor:
+    """One decode step as the engine runs it on one device: the model (a graph replay when it can), then
+    every row's logits [B, vocab] (float32, the LM head outside the graph)."""
+    return runner.model.compute_logits(runner.run(inp)[:len(inp.dec_positions)])
+
+
 MODES = ("eager", "graphs", "compiled", "compiled_graphs")  # the last: the server's default on CUDA
 
 
@@ -198,7 +205,7 @@ def decode_rows(p, runner: ModelRunner, batches, dev, read_bytes: float, per_tok
                 if use_graphs and graphs is None:
                     continue
                 runner.graphs = graphs if use_graphs else None
-                row[f"{mode}_s"] = timed(lambda: runner.run(inp), dev, p["warmup"], p["iters"])
+                row[f"{mode}_s"] = timed(lambda: step(runner, inp), dev, p["warmup"], p["iters"])
         runner.graphs = None
         if profile:
             rows[0][f"profile_{'compiled' if compiled else 'eager'}"] = profile_step(
@@ -225,7 +232,7 @@ def profile_step(runner: ModelRunner, inp: StepInputs, dev, steps: int = 5) -> l
     acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
     with profile(activities=acts) as prof:
         for _ in range(steps):
-            runner.run(inp)
+            step(runner, inp)
         sync(dev)
     attr = "device_time_total" if dev.type == "cuda" else "cpu_time_total"
     ev = [e for e in prof.key_averages() if getattr(e, attr, 0) > 0]
@@ -239,7 +246,8 @@ def profile_step(runner: ModelRunner, inp: StepInputs, dev, steps: int = 5) -> l
 
 
 def read_bytes_per_step(model, cfg: ModelConfig, dtype) -> float:
-    """Bytes of weights a decode step reads: all but the embedding table (only B rows of it are read)."""
+    """Bytes of weights a decode step (``step``: the model and the LM head) reads: all but the embedding
+    table (only B rows of it are read)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     embed_bytes = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size * itemsize
     return model_weight_bytes(model) - embed_bytes

@@ -5,7 +5,7 @@ Matmul:
 - CUDA with compute capability ≥ 8.9 (Ada, Hopper and later): ``torch._scaled_mm`` with dynamic
   per-token activation scales (x8 = x / s_x, s_x[t] = max |x[t]| / 448) and the per-channel weight
   scales ("row-wise" scaling, bfloat16 output); used when K and N are multiples of 16, else weight-only.
-  UNTESTED on a GPU in this repository (no GPU was available when it was written).
+  Checked on an H200 against float32 on the same FP8 operands (relative error 1.7e-3; docs/gpu.md).
 - elsewhere, weight-only: FP8 storage (half of bf16's bytes, a quarter of fp32's), upcast to the
   activation dtype per matmul, then y · s. The engine logs which path a run takes. On the CPU the
   upcast is a 256-entry lookup table (every e4m3 code's value in the activation dtype) gathered over
