@@ -33,7 +33,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, kube, metrics, peering, pods, render
+from . import api, apply, kube, metrics, peering, pods, render, strict
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -43,7 +43,7 @@ CHILDREN = (("deployment", "apps/v1", "deployments"), ("service", "v1", "service
             ("pdb", "policy/v1", "poddisruptionbudgets"))
 CHILD_EVENT_ATTEMPTS = 6  # backoff 1+2+4+8+16+32 s before giving up on a child event
 _locks: dict[tuple[int, str, str], asyncio.Lock] = {}
-SERVING_DEFAULTS = render.ServingDefaults.from_env(dict(os.environ))  # the chart's servingImage
+SERVING_DEFAULTS = render.ServingDefaults.from_env(dict(os.environ))  # the chart's servingImage, servingDefaults
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -128,7 +128,8 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     if obj["metadata"].get("deletionTimestamp"):
         return {}  # being deleted: the garbage collector removes the children, nothing to reconcile
     spec = render.parse_spec(obj)
-    children = render.render(obj, defaults=SERVING_DEFAULTS)  # surfaces Unrealisable before any request
+    version = strict.kubernetes_version(await client.server_version())  # the children's schema
+    children = render.render(obj, defaults=SERVING_DEFAULTS, kubernetes_version=version)  # Unrealisable first
     uid = obj["metadata"].get("uid")
     live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
     live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \
