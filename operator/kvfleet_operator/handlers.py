@@ -5,15 +5,17 @@ Triggers: an InferenceService is created, its spec/metadata changes, or the oper
 its controller InferenceService, which is then reconciled); a serving pod starts or stops failing
 (its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``). One pass (``reconcile``):
 
-1. parse and render the spec (pure); a spec that cannot be realised -> status Degraded=True with
-   reason and message, no child touched, ``kopf.PermanentError`` (no retry until the spec changes);
+1. parse and render the spec (pure), the children checked against the strict Kubernetes schema of
+   the API server's version (``strict``: an unknown field in ``scheduling.affinity`` is named by its
+   path); a spec that cannot be realised -> status Degraded=True with reason and message, no child
+   touched, ``kopf.PermanentError`` (no retry until the spec changes);
 2. read the live children; one that exists but is controlled by something else, or is not labelled
    as this InferenceService's, is a conflict (Degraded ``ChildConflict``, retried with backoff so
    that removing the object in the way is enough) — the operator never takes over objects it did
    not create; orphans it did create (``--cascade=orphan``) are adopted;
-3. create or three-way merge-patch each child (``apply``), delete the PDB when no longer wanted; a
-   child the API server refuses as invalid (422, e.g. a malformed affinity or toleration) is
-   Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec;
+3. create or three-way merge-patch each child (``apply``; ``fieldValidation=Strict``), delete the PDB
+   when no longer wanted; a child the API server refuses as invalid (422, e.g. a value only it
+   checks) is Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec;
 4. list the serving pods: one that crash-loops, was OOM-killed, cannot pull its image or cannot be
    scheduled makes Degraded=True with the reason and the container's termination message;
 5. write the status subresource only when it changed.

@@ -208,6 +208,25 @@ def test_a_problem_no_spec_field_maps_to_names_the_child():
     assert strict.check([dep], "1.30") == []
 
 
+def test_results_are_remembered_by_digest_within_a_bound(monkeypatch):
+    monkeypatch.setattr(strict, "MEMO_SIZE", 2)
+    monkeypatch.setattr(strict, "_memo", type(strict._memo)())
+    dep = render.render(isvc(HF)).deployment
+    calls = []
+    real = strict.problems
+    monkeypatch.setattr(strict, "problems", lambda child, version: calls.append(child["kind"]) or real(child, version))
+    typo = {**dep, "spec": {**dep["spec"], "minReadySecond": 1}}
+    first = strict.check([typo], "1.30")
+    first.append("caller's own list")
+    assert strict.check([typo], "1.30") == [(None, "Deployment spec.minReadySecond: unknown field")]
+    assert calls == ["Deployment"]  # the second check was remembered
+    strict.check([typo], "1.35")  # another version: validated again
+    strict.check([dep], "1.30")
+    assert calls == ["Deployment"] * 3 and len(strict._memo) == 2  # bounded: the oldest result was dropped
+    strict.check([typo], "1.30")
+    assert len(calls) == 4
+
+
 @pytest.mark.parametrize("server, schema", [("1.26", "1.30"), ("1.29+", "1.30"), ("v1.35.2", "1.35"),
                                             ("1.31", "1.31"), ("1.99", strict.NEWEST), (None, strict.NEWEST),
                                             ("", strict.NEWEST)])
