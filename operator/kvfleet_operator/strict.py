@@ -32,20 +32,12 @@ NEWEST = kv.major_minor(kv.latest_version())
 MEMO_SIZE = 1024
 _memo: OrderedDict[bytes, tuple[tuple[str | None, str], ...]] = OrderedDict()
 _POD = ("spec", "template", "spec")
-# rendered Deployment path -> the spec field it is rendered from ("*": any list index, kept in the name)
-SPEC_FIELDS: tuple[tuple[tuple[Any, ...], str], ...] = (
+# rendered Deployment path -> the spec field passed through verbatim to it. The other spec fields are
+# typed by the spec's models (unknown fields, enums and quantities refused at parse), so a schema
+# problem anywhere else is a rendering defect, named by the child's own path.
+SPEC_FIELDS: tuple[tuple[tuple[str, ...], str], ...] = (
     (_POD + ("affinity",), "spec.scheduling.affinity"),
-    (_POD + ("tolerations",), "spec.scheduling.tolerations"),
-    (_POD + ("nodeSelector",), "spec.scheduling.nodeSelector"),
     (_POD + ("topologySpreadConstraints",), "spec.scheduling.topologySpreadConstraints"),
-    (_POD + ("priorityClassName",), "spec.scheduling.priorityClassName"),
-    (_POD + ("runtimeClassName",), "spec.scheduling.runtimeClassName"),
-    (_POD + ("imagePullSecrets",), "spec.imagePullSecrets"),
-    (_POD + ("serviceAccountName",), "spec.serviceAccountName"),
-    (_POD + ("containers", "*", "env"), "spec.engine.env"),  # the spec's env comes first in the rendered list
-    (_POD + ("initContainers", "*", "env"), "spec.engine.env"),
-    (_POD + ("containers", "*", "resources"), "spec.resources"),
-    (_POD + ("containers", "*", "image"), "spec.engine.image"),
 )
 
 
@@ -93,7 +85,7 @@ def field_path(parts: Any) -> str:
 def _spec_field(path: list[Any]) -> str | None:
     """The spec field a rendered Deployment path comes from, with the rest of the path appended."""
     for prefix, field in SPEC_FIELDS:
-        if len(path) >= len(prefix) and all(p == "*" or p == q for p, q in zip(prefix, path)):
+        if tuple(path[:len(prefix)]) == prefix:
             rest = field_path(path[len(prefix):])
             return field + (rest if rest.startswith("[") or not rest else f".{rest}")
     return None
