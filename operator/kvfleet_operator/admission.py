@@ -14,6 +14,7 @@ import copy
 from typing import Any
 
 from . import crdgen
+from .strict import field_path
 
 
 def schema() -> dict[str, Any]:
@@ -56,13 +57,6 @@ def prune(obj: Any, node: dict[str, Any]) -> Any:
     return copy.deepcopy(obj)
 
 
-def _path(parts: Any) -> str:
-    out = ""
-    for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
-
-
 def validate(obj: dict[str, Any], node: dict[str, Any] | None = None) -> list[str]:
     """Validate like the API server: defaults, schema, then CEL. Returns messages naming fields (empty: valid)."""
     import jsonschema
@@ -71,7 +65,7 @@ def validate(obj: dict[str, Any], node: dict[str, Any] | None = None) -> list[st
     if not (obj.get("metadata") or {}).get("name"):
         return ["metadata.name: Required value: name is required"]  # checked before the schema, as the API server does
     obj = apply_defaults(obj, node)
-    errors = [f"{_path(e.absolute_path) or '<root>'}: {e.message}"
+    errors = [f"{field_path(e.absolute_path) or '<root>'}: {e.message}"
               for e in sorted(jsonschema.Draft4Validator(_strip_k8s(node)).iter_errors(obj), key=str)]
     errors += _list_map_keys(obj, node, [])
     if not errors:
@@ -88,7 +82,7 @@ def _list_map_keys(obj: Any, node: dict[str, Any], where: list[Any]) -> list[str
         for i, item in enumerate(obj):
             key = tuple((item or {}).get(k) for k in keys) if isinstance(item, dict) else (item,)
             if key in seen:
-                errors.append(f"{_path(where + [i])}: Duplicate value: {dict(zip(keys, key))}")
+                errors.append(f"{field_path(where + [i])}: Duplicate value: {dict(zip(keys, key))}")
             seen.add(key)
     if isinstance(obj, dict):
         for name, sub in node.get("properties", {}).items():
@@ -123,7 +117,7 @@ def _cel(obj: Any, node: dict[str, Any], where: list[Any]) -> list[str]:
         except celpy.CELEvalError as exc:  # e.g. a field the rule reads is absent: the rule fails
             result = exc
         if isinstance(result, Exception) or not bool(result):
-            field = _path(where) + rule.get("fieldPath", "") or ("metadata.name" if "metadata.name" in rule["rule"]
+            field = field_path(where) + rule.get("fieldPath", "") or ("metadata.name" if "metadata.name" in rule["rule"]
                                                                  else "<root>")
             errors.append(f"{field.lstrip('.')}: {rule.get('message', rule['rule'])}")
     if isinstance(obj, dict):

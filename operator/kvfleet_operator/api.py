@@ -260,13 +260,23 @@ class Resources(_Model):
     gpu_resource_name: str = Field(default="nvidia.com/gpu", min_length=1, max_length=253,
                                    pattern=r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[a-z0-9]([-a-z0-9_.]*[a-z0-9])?$",
                                    description="Extended resource name of the GPU.")
-    cpu: int | str | None = _int_or_string("CPU request of the server container (Kubernetes quantity).")
-    memory: int | str | None = _int_or_string("Memory request and limit of the server container (quantity).")
+    cpu: int | str | None = _int_or_string("CPU request of the server container (Kubernetes quantity). Unset: "
+                                           "none on CPU replicas; the operator's CPUs per GPU (default 4) times "
+                                           "gpus on GPU replicas.")
+    memory: int | str | None = _int_or_string("Memory request and limit of the server container (quantity); must "
+                                              "exceed shmSize. Unset: none on CPU replicas; a request (no limit) of "
+                                              "the operator's memory per GPU (default 24Gi) times gpus, plus /dev/shm, on "
+                                              "GPU replicas.")
+    shm_size: int | str | None = _int_or_string("Size limit of the memory-backed /dev/shm the tensor-parallel "
+                                                "workers share (quantity; counts against memory). Unset: the "
+                                                "operator's /dev/shm per GPU (default 1Gi) times tensorParallelSize, "
+                                                "and no /dev/shm with tensorParallelSize 1.")
 
     @model_validator(mode="after")
     def _quantities(self) -> "Resources":
         _check_quantity(self.cpu, "spec.resources.cpu")
         _check_quantity(self.memory, "spec.resources.memory")
+        _check_quantity(self.shm_size, "spec.resources.shmSize")
         return self
 
 
@@ -284,8 +294,15 @@ class Scheduling(_Model):
     """Where replicas may run."""
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
-    affinity: dict[str, Any] | None = Field(default=None, description="Pod affinity (the core/v1 Affinity object).",
+    affinity: dict[str, Any] | None = Field(default=None, description="Pod affinity (the core/v1 Affinity object; "
+                                                                      "checked against Kubernetes' schema at render).",
                                             json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+    topology_spread_constraints: list[dict[str, Any]] | None = Field(
+        default=None, max_length=16,
+        description="Pod topologySpreadConstraints (core/v1 TopologySpreadConstraint objects, checked against "
+                    "Kubernetes' schema at render), replacing the default: replicas spread across nodes "
+                    "(kubernetes.io/hostname, maxSkew 1, ScheduleAnyway). [] renders none.",
+        json_schema_extra={"items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}})
     priority_class_name: str | None = Field(default=None, max_length=253, description="Pod priorityClassName.")
     runtime_class_name: str | None = Field(default=None, max_length=253, description="Pod runtimeClassName.")
 

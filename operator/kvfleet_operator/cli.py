@@ -2,7 +2,8 @@
 
     kvfleet-operator run [--namespace NS ... | --all-namespaces] [--liveness URL] [--metrics-port N]
                          [--peering NAME | --standalone] [--verbose]
-    kvfleet-operator render FILE|-      children as YAML (for review in GitOps pull requests)
+    kvfleet-operator render FILE|- [--kubernetes-version X.Y]
+                                        children as YAML (for review in GitOps pull requests)
     kvfleet-operator crd [--peering]    the InferenceService CRD (and kopf's peering CRDs)
 
 Exit status: 0 ok, 2 invalid input (messages name the field).
@@ -10,6 +11,7 @@ Exit status: 0 ok, 2 invalid input (messages name the field).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -64,7 +66,7 @@ class _PlainDumper(yaml.SafeDumper):
 
 
 def _render(args: argparse.Namespace) -> int:
-    from . import admission, render
+    from . import admission, render, strict
 
     try:
         text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
@@ -76,6 +78,13 @@ def _render(args: argparse.Namespace) -> int:
     except yaml.YAMLError as exc:
         print(f"error: {args.file}: not YAML: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    try:  # the per-GPU sizing the chart's servingDefaults give the operator, from the same variables
+        defaults = dataclasses.replace(render.ServingDefaults.from_env(dict(os.environ)), image=args.serving_image,
+                                       pull_policy=args.serving_image_pull_policy, vllm_image=args.vllm_image)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    version = strict.kubernetes_version(args.kubernetes_version)
     out: list[dict[str, Any]] = []
     failed = False
     for doc in docs:
@@ -96,8 +105,7 @@ def _render(args: argparse.Namespace) -> int:
             continue
         doc = admission.apply_defaults(doc, admission.schema())
         try:
-            children = render.render(doc, defaults=render.ServingDefaults(
-                args.serving_image, args.serving_image_pull_policy, args.vllm_image))
+            children = render.render(doc, defaults=defaults, kubernetes_version=version)
         except render.Unrealisable as exc:
             print(f"error: {name}: {exc.reason}: {exc.message}", file=sys.stderr)
             failed = True
@@ -147,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--vllm-image", default=os.environ.get("KVFLEET_VLLM_IMAGE") or runtime.DEFAULT_VLLM_IMAGE,
                         help="image for specs with engine.runtime vllm and without engine.image, as the chart's "
                              "vllmImage gives the operator (default: env KVFLEET_VLLM_IMAGE, else %(default)s)")
+    render.add_argument("--kubernetes-version", metavar="MAJOR.MINOR", default=None,
+                        help="check the children against this Kubernetes version's schema, as the operator does "
+                             "with its API server's (default: the newest kubernetes-validate knows; versions below "
+                             "1.30, the oldest supported, count as 1.30)")
     render.set_defaults(func=_render)
     crd = sub.add_parser("crd", help="print the InferenceService CRD")
     crd.add_argument("--peering", action="store_true", help="also print kopf's peering CRDs")

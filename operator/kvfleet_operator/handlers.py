@@ -5,15 +5,17 @@ Triggers: an InferenceService is created, its spec/metadata changes, or the oper
 its controller InferenceService, which is then reconciled); a serving pod starts or stops failing
 (its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``). One pass (``reconcile``):
 
-1. parse and render the spec (pure); a spec that cannot be realised -> status Degraded=True with
-   reason and message, no child touched, ``kopf.PermanentError`` (no retry until the spec changes);
+1. parse and render the spec (pure), the children checked against the strict Kubernetes schema of
+   the API server's version (``strict``: an unknown field in ``scheduling.affinity`` is named by its
+   path); a spec that cannot be realised -> status Degraded=True with reason and message, no child
+   touched, ``kopf.PermanentError`` (no retry until the spec changes);
 2. read the live children; one that exists but is controlled by something else, or is not labelled
    as this InferenceService's, is a conflict (Degraded ``ChildConflict``, retried with backoff so
    that removing the object in the way is enough) — the operator never takes over objects it did
    not create; orphans it did create (``--cascade=orphan``) are adopted;
-3. create or three-way merge-patch each child (``apply``), delete the PDB when no longer wanted; a
-   child the API server refuses as invalid (422, e.g. a malformed affinity or toleration) is
-   Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec;
+3. create or three-way merge-patch each child (``apply``; ``fieldValidation=Strict``), delete the PDB
+   when no longer wanted; a child the API server refuses as invalid (422, e.g. a value only it
+   checks) is Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec;
 4. list the serving pods: one that crash-loops, was OOM-killed, cannot pull its image or cannot be
    scheduled makes Degraded=True with the reason and the container's termination message;
 5. write the status subresource only when it changed.
@@ -33,7 +35,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, kube, metrics, peering, pods, render
+from . import api, apply, kube, metrics, peering, pods, render, strict
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -43,7 +45,7 @@ CHILDREN = (("deployment", "apps/v1", "deployments"), ("service", "v1", "service
             ("pdb", "policy/v1", "poddisruptionbudgets"))
 CHILD_EVENT_ATTEMPTS = 6  # backoff 1+2+4+8+16+32 s before giving up on a child event
 _locks: dict[tuple[int, str, str], asyncio.Lock] = {}
-SERVING_DEFAULTS = render.ServingDefaults.from_env(dict(os.environ))  # the chart's servingImage
+SERVING_DEFAULTS = render.ServingDefaults.from_env(dict(os.environ))  # the chart's servingImage, servingDefaults
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -128,7 +130,8 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     if obj["metadata"].get("deletionTimestamp"):
         return {}  # being deleted: the garbage collector removes the children, nothing to reconcile
     spec = render.parse_spec(obj)
-    children = render.render(obj, defaults=SERVING_DEFAULTS)  # surfaces Unrealisable before any request
+    version = strict.kubernetes_version(await client.server_version())  # the children's schema
+    children = render.render(obj, defaults=SERVING_DEFAULTS, kubernetes_version=version)  # Unrealisable first
     uid = obj["metadata"].get("uid")
     live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
     live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \

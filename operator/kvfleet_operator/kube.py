@@ -28,6 +28,7 @@ import aiohttp
 import kopf
 
 _credentials: kopf.ConnectionInfo | None = None
+STRICT = {"fieldValidation": "Strict"}  # writes: refuse unknown fields instead of dropping them with a warning
 _clients: dict[int, "KubeClient"] = {}
 
 
@@ -103,6 +104,7 @@ class KubeClient:
         self.loop = asyncio.get_running_loop()
         self._session: aiohttp.ClientSession | None = None
         self._tmp: list[str] = []
+        self._version: str | None = None
 
     def _ssl(self) -> ssl.SSLContext | bool:
         info = self.info
@@ -208,14 +210,25 @@ class KubeClient:
         return list((data or {}).get("items") or [])
 
     async def create(self, api_version: str, plural: str, namespace: str | None, body: dict[str, Any]) -> dict[str, Any]:
-        """POST a new object; returns it as stored."""
-        return await self.request("POST", resource_path(api_version, plural, namespace), body=body)
+        """POST a new object; returns it as stored. Strict field validation: an unknown or duplicate
+        field is a 422, not a warning and a silently dropped field."""
+        return await self.request("POST", resource_path(api_version, plural, namespace), body=body,
+                                  params=STRICT)
 
     async def patch(self, api_version: str, plural: str, namespace: str | None, name: str, patch: dict[str, Any],
                     subresource: str | None = None) -> dict[str, Any]:
-        """JSON merge patch (RFC 7386) of an object or of its status/scale subresource."""
+        """JSON merge patch (RFC 7386) of an object or of its status/scale subresource (strict field
+        validation, as ``create``)."""
         return await self.request("PATCH", resource_path(api_version, plural, namespace, name, subresource),
-                                  body=patch, content_type="application/merge-patch+json")
+                                  body=patch, content_type="application/merge-patch+json", params=STRICT)
+
+    async def server_version(self) -> str:
+        """The API server's ``major.minor`` (GET /version, read once per client; e.g. "1.31", or "1.29+"
+        from some managed clusters)."""
+        if self._version is None:
+            info = await self.request("GET", "/version") or {}
+            self._version = f"{info.get('major', '')}.{info.get('minor', '')}"
+        return self._version
 
     async def delete(self, api_version: str, plural: str, namespace: str | None, name: str) -> None:
         """DELETE the object (absent is fine)."""

@@ -9,7 +9,11 @@ Choices (see docs/operator.md): the server container runs the runtime's server (
 the startup probe allows ``probes.startupTimeoutSeconds`` exactly
 (periodSeconds x failureThreshold); terminationGracePeriodSeconds = preStop sleep + drain timeout +
 margin; rolling updates use maxSurge 0 / maxUnavailable 1 because a surge pod that cannot get a GPU
-deadlocks a full cluster; pods run as non-root with a read-only root filesystem.
+deadlocks a full cluster; GPU pods request CPU and memory per GPU (``ServingDefaults``) and
+tensor-parallel pods get a memory-backed /dev/shm with a size limit, counted in the memory request;
+replicas spread across nodes (ScheduleAnyway); the PDB lets unhealthy pods be evicted (a
+crash-looping pod never blocks a node drain); pods run as non-root with a read-only root filesystem.
+Every child is checked against the strict Kubernetes schema (``strict``) before it is returned.
 """
 from __future__ import annotations
 
@@ -17,13 +21,14 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field, replace
+from decimal import Decimal
 from typing import Any
 
 import pydantic
 from kvfleet_server.cli import FlagError, parse_flags, threads_for_cpus
 from kvfleet_server.errors import UnsupportedFeatureError
 
-from . import api, runtime
+from . import api, runtime, strict
 from .apply import quantity
 
 MANAGED_BY = "kvfleet-operator"
@@ -45,19 +50,39 @@ HF_DOWNLOAD = (
 
 @dataclass(frozen=True)
 class ServingDefaults:
-    """What an InferenceService leaves to the operator: the serving image and its pull policy
-    (the chart's servingImage, given to the operator as KVFLEET_SERVING_IMAGE /
-    KVFLEET_SERVING_IMAGE_PULL_POLICY), and the image of runtime vllm (the chart's vllmImage,
-    KVFLEET_VLLM_IMAGE; same pull policy). ``from_env`` reads them once at start-up."""
+    """What an InferenceService leaves to the operator (the chart's servingImage, vllmImage and
+    servingDefaults, given to the operator as the environment variables of ``ENV``; ``from_env`` reads
+    them once at start-up): the serving image and its pull policy; the image of runtime vllm (same pull
+    policy); per GPU of a GPU replica, the CPU request, the memory request and the size of the
+    memory-backed /dev/shm of tensor-parallel pods (Kubernetes quantities).
+
+    Sizing per GPU, as the peers do (KubeAI's L4/L40S profiles request 6 CPUs and 24Gi per GPU,
+    AMD's AIM engine 4 CPUs per GPU; KServe's LLM templates size /dev/shm at 1Gi for one node):
+    4 CPUs feed one GPU's tokenization, detokenization, scheduling and HTTP; 24Gi holds a CUDA context
+    and the host-side buffers of loading a 24 GB GPU's share of weights; 1Gi of /dev/shm per
+    tensor-parallel rank covers NCCL's shared-memory buffers (4 MiB per channel and peer)."""
     image: str = api.DEFAULT_IMAGE
     pull_policy: str = api.DEFAULT_PULL_POLICY
     vllm_image: str = runtime.DEFAULT_VLLM_IMAGE
+    cpu_per_gpu: str = "4"
+    memory_per_gpu: str = "24Gi"
+    shm_per_gpu: str = "1Gi"
+
+    ENV = {"image": "KVFLEET_SERVING_IMAGE", "pull_policy": "KVFLEET_SERVING_IMAGE_PULL_POLICY",
+           "vllm_image": "KVFLEET_VLLM_IMAGE", "cpu_per_gpu": "KVFLEET_CPU_PER_GPU",
+           "memory_per_gpu": "KVFLEET_MEMORY_PER_GPU", "shm_per_gpu": "KVFLEET_SHM_PER_GPU"}
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_per_gpu", "memory_per_gpu", "shm_per_gpu"):
+            value = getattr(self, name)
+            if quantity(value) is None or quantity(value) <= 0:
+                raise ValueError(f"{self.ENV[name]}: {value!r} is not a positive Kubernetes quantity")
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "ServingDefaults":
-        return cls(image=env.get("KVFLEET_SERVING_IMAGE") or api.DEFAULT_IMAGE,
-                   pull_policy=env.get("KVFLEET_SERVING_IMAGE_PULL_POLICY") or api.DEFAULT_PULL_POLICY,
-                   vllm_image=env.get("KVFLEET_VLLM_IMAGE") or runtime.DEFAULT_VLLM_IMAGE)
+        """The defaults with each variable of ``ENV`` that is set and not empty; ValueError names a
+        variable whose value is not a positive quantity."""
+        return cls(**{name: env[var] for name, var in cls.ENV.items() if env.get(var)})
 
     def image_for(self, name: str) -> str:
         """The default image of runtime ``name``."""
@@ -86,7 +111,7 @@ def parse_spec(obj: dict[str, Any]) -> api.InferenceServiceSpec:
     except pydantic.ValidationError as exc:
         problems = []
         for err in exc.errors():
-            loc = ".".join(str(p) for p in err["loc"])
+            loc = strict.field_path(err["loc"])
             msg = err["msg"].removeprefix("Value error, ")  # the api validators' messages name the field
             problems.append(f"spec.{loc}: {msg}" if loc and not msg.startswith("spec.") else msg)
         raise Unrealisable("InvalidSpec", "; ".join(problems)) from None
@@ -254,6 +279,67 @@ def server_args(spec: api.InferenceServiceSpec, model_path: str, draft_path: str
     return args + list(e.extra_args)
 
 
+def format_quantity(value: Decimal, binary: bool) -> str:
+    """A quantity as Kubernetes prints it: memory (``binary``) with the largest exact binary suffix
+    (Ki ... Ei), else in bytes rounded up; CPUs in cores when whole, else in millicores rounded up."""
+    if not binary:
+        return str(int(value)) if value == value.to_integral_value() else f"{math.ceil(value * 1000)}m"
+    for suffix, power in (("Ei", 60), ("Pi", 50), ("Ti", 40), ("Gi", 30), ("Mi", 20), ("Ki", 10)):
+        if value >= 2 ** power and value % 2 ** power == 0:
+            return f"{int(value / 2 ** power)}{suffix}"
+    return str(math.ceil(value))
+
+
+def shm_size(spec: api.InferenceServiceSpec, defaults: ServingDefaults) -> Decimal | None:
+    """Size limit of the memory-backed /dev/shm in bytes: spec.resources.shmSize, else the operator's
+    /dev/shm per GPU times tensorParallelSize when the pod runs tensor-parallel workers (they exchange
+    through it: NCCL, torch.distributed), else None (no /dev/shm volume)."""
+    if spec.resources.shm_size is not None:
+        return quantity(spec.resources.shm_size)
+    tp = spec.engine.tensor_parallel_size
+    return quantity(defaults.shm_per_gpu) * tp if tp > 1 else None
+
+
+def container_resources(spec: api.InferenceServiceSpec, defaults: ServingDefaults,
+                        shm: Decimal | None) -> dict[str, Any]:
+    """The server container's resources. GPUs as a limit of gpuResourceName. CPU: a request of
+    spec.resources.cpu, else on GPU pods the operator's CPUs per GPU times gpus (no CPU limit:
+    throttling hurts decode). Memory: spec.resources.memory as request and limit, which must exceed
+    the /dev/shm size (a memory-backed emptyDir counts against the container's memory); else on GPU
+    pods a request of the memory per GPU times gpus plus the /dev/shm size. CPU pods get no default.
+    Raises Unrealisable (InvalidSpec, naming spec.resources.memory)."""
+    res = spec.resources
+    gpus = spec.gpus
+    out: dict[str, dict[str, str]] = {}
+    if gpus > 0:
+        out.setdefault("limits", {})[res.gpu_resource_name] = str(gpus)
+    if res.cpu is not None:
+        out.setdefault("requests", {})["cpu"] = str(res.cpu)
+    elif gpus > 0:
+        out.setdefault("requests", {})["cpu"] = format_quantity(quantity(defaults.cpu_per_gpu) * gpus, binary=False)
+    if res.memory is not None:
+        if shm is not None and quantity(res.memory) <= shm:
+            raise Unrealisable("InvalidSpec", f"spec.resources.memory ({res.memory}) must exceed the /dev/shm size "
+                                              f"({format_quantity(shm, binary=True)}, spec.resources.shmSize): a "
+                                              f"memory-backed emptyDir counts against the container's memory")
+        out.setdefault("requests", {})["memory"] = str(res.memory)
+        out.setdefault("limits", {})["memory"] = str(res.memory)
+    elif gpus > 0:
+        out.setdefault("requests", {})["memory"] = format_quantity(
+            quantity(defaults.memory_per_gpu) * gpus + (shm or 0), binary=True)
+    return out
+
+
+def spread_constraints(spec: api.InferenceServiceSpec, name: str) -> list[dict[str, Any]]:
+    """spec.scheduling.topologySpreadConstraints, else replicas spread across nodes: maxSkew 1 on
+    kubernetes.io/hostname, ScheduleAnyway (a full cluster still schedules, a second node is preferred),
+    counted per ReplicaSet (matchLabelKeys pod-template-hash) so a rollout's new pods spread too."""
+    if spec.scheduling.topology_spread_constraints is not None:
+        return list(spec.scheduling.topology_spread_constraints)
+    return [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname", "whenUnsatisfiable": "ScheduleAnyway",
+             "labelSelector": {"matchLabels": selector_labels(name)}, "matchLabelKeys": ["pod-template-hash"]}]
+
+
 def cpu_threads(spec: api.InferenceServiceSpec) -> int | None:
     """--num-threads of a CPU pod: the server's own rule (``threads_for_cpus``) over the CPUs the pod
     requests, rounded down (2500m → 2, 500m → 1). None for GPU pods or when no CPU is requested (the
@@ -319,12 +405,16 @@ def _security_context() -> dict[str, Any]:
 
 
 def render(obj: dict[str, Any], replicas: int | None = None,
-           defaults: ServingDefaults = ServingDefaults()) -> Children:
+           defaults: ServingDefaults = ServingDefaults(), kubernetes_version: str = strict.NEWEST) -> Children:
     """Render the children of InferenceService ``obj``.
 
     replicas: the Deployment's replica count (see ``desired_replicas``); None means
-    ``desired_replicas(spec, None, status.desiredReplicas)``. defaults: the serving image and pull
-    policy for a spec that sets none. Raises Unrealisable."""
+    ``desired_replicas(spec, None, status.desiredReplicas)``. defaults: what the spec leaves to the
+    operator (image, pull policy, per-GPU sizing). kubernetes_version: the children are checked
+    against this version's strict schema (``strict.kubernetes_version`` of the API server's).
+    Raises Unrealisable: InvalidSpec naming the spec field (an unknown field in scheduling.affinity
+    is ``spec.scheduling.affinity.FIELD: unknown field``), ChildInvalid for a rendered field no
+    spec field maps to."""
     spec = parse_spec(obj)
     name = obj["metadata"]["name"]
     if replicas is None:
@@ -335,7 +425,6 @@ def render(obj: dict[str, Any], replicas: int | None = None,
     sp = spec.engine.speculative
     draft_path = _resolve(sp.draft_model, spec, mounts, "spec.engine.speculative.draftModel") \
         if sp is not None and sp.draft_model else None
-    gpus = spec.gpus
     e = spec.engine
     args = container_args(spec, server_args(spec, model_path, draft_path))
     server = runtime.RUNTIMES[e.runtime]
@@ -347,18 +436,12 @@ def render(obj: dict[str, Any], replicas: int | None = None,
     env += [{"name": k, "value": v} for k, v in (("HOME", "/tmp"), ("HF_HOME", hf_home)) if k not in env_names]
     volumes = [{"name": "tmp", "emptyDir": {}}] + list(mounts.volumes.values())
     volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}] + list(mounts.mounts.values())
-    if e.tensor_parallel_size > 1:  # NCCL needs a large /dev/shm between the TP workers
-        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    shm = shm_size(spec, defaults)
+    if shm is not None:  # the tensor-parallel workers' NCCL / torch.distributed buffers
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                     "sizeLimit": format_quantity(shm, binary=True)}})
         volume_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-
-    resources: dict[str, Any] = {}
-    if gpus > 0:
-        resources.setdefault("limits", {})[spec.resources.gpu_resource_name] = str(gpus)
-    if spec.resources.cpu is not None:
-        resources.setdefault("requests", {})["cpu"] = str(spec.resources.cpu)
-    if spec.resources.memory is not None:
-        resources.setdefault("requests", {})["memory"] = str(spec.resources.memory)
-        resources.setdefault("limits", {})["memory"] = str(spec.resources.memory)
+    resources = container_resources(spec, defaults, shm)
 
     period, failures = startup_probe_timing(spec.probes.startup_timeout_seconds)
     health = {"path": "/health", "port": HTTP_PORT_NAME}
@@ -403,6 +486,9 @@ def render(obj: dict[str, Any], replicas: int | None = None,
         "containers": [container],
         "volumes": volumes,
     }
+    spread = spread_constraints(spec, name)
+    if spread:
+        pod_spec["topologySpreadConstraints"] = spread
     if init_containers:
         pod_spec["initContainers"] = init_containers
     if spec.service_account_name:
@@ -458,6 +544,14 @@ def render(obj: dict[str, Any], replicas: int | None = None,
             "apiVersion": "policy/v1",
             "kind": "PodDisruptionBudget",
             "metadata": _meta(obj, labels),
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
+            # AlwaysAllow: a pod that is not ready (crash loop, still loading) may be evicted even when the
+            # budget is spent, so one failing replica never blocks a node drain
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)},
+                     "unhealthyPodEvictionPolicy": "AlwaysAllow"},
         }
+    invalid = strict.check([c for c in (deployment, service, pdb) if c is not None], kubernetes_version)
+    if invalid:
+        reason = "InvalidSpec" if all(field for field, _ in invalid) else "ChildInvalid"
+        raise Unrealisable(reason, "; ".join(message for _, message in invalid)
+                           + f" (the Kubernetes {kubernetes_version} schema)")
     return Children(deployment=deployment, service=service, pdb=pdb)

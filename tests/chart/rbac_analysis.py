@@ -14,6 +14,10 @@ Requirements come from three sources:
    namespaces rather than the whole cluster, keeps peering objects alive with patches
    (engines/peering.py), and posts log messages as Events only when the operator sets
    ``settings.posting.loggers = True`` (engines/posting.py; off by default in kopf 1.45).
+4. The API server's admission (``admission_requirements``): the OwnerReferencesPermissionEnforcement
+   plugin (on in OpenShift) lets a client create an object whose ownerReference sets
+   ``blockOwnerDeletion: true`` only if it may ``update`` the owner's ``finalizers`` subresource; the
+   reference the operator puts on its children is read from ``render.owner_reference``.
 
 Call arguments are resolved statically: string constants, f-strings, attributes of the operator's
 own modules (``api.PLURAL``), names bound by ``for``-loops or comprehensions over module-level
@@ -536,6 +540,18 @@ def framework_requirements(*, cluster_wide: bool, peering: bool, posting: bool =
     return reqs
 
 
+def admission_requirements() -> list[Requirement]:
+    """What admission plugins demand of the operator's creates (see the module doc, source 4)."""
+    from kvfleet_operator import api, render
+
+    ref = render.owner_reference({"metadata": {"name": "x", "uid": "u"}}) or {}
+    if not ref.get("blockOwnerDeletion"):
+        return []
+    return [Requirement(api.GROUP, f"{api.PLURAL}/finalizers", "update", "namespace",
+                        "OwnerReferencesPermissionEnforcement: children with blockOwnerDeletion "
+                        "(kvfleet_operator/render.py owner_reference)")]
+
+
 # --------------------------------------------------------------------------------- rendered RBAC
 @dataclass(frozen=True)
 class Grants:
@@ -613,7 +629,8 @@ def applies(req: Requirement, *, cluster_wide: bool, peering: bool) -> bool:
 def check(manifests: list[dict], code_requirements: list[Requirement],
           posting: bool = False) -> tuple[list[str], list[str]]:
     """(missing, excess) for a rendered chart: requirements not granted, and granted
-    (group, resource, verb) triples nothing requires. ``posting``: see ``posts_log_events``. Mode (watched namespaces, peering) is read
+    (group, resource, verb) triples nothing requires (the code's, kopf's and admission's requirements).
+    ``posting``: see ``posts_log_events``. Mode (watched namespaces, peering) is read
     from the operator Deployment's arguments, the ServiceAccount from its pod spec."""
     dep = next(m for m in manifests if m["kind"] == "Deployment")
     pod = dep["spec"]["template"]["spec"]
@@ -623,7 +640,7 @@ def check(manifests: list[dict], code_requirements: list[Requirement],
     peering = any(a.startswith("--peering") for a in args)
     grants = grants_for(manifests, pod["serviceAccountName"], dep["metadata"]["namespace"])
     framework = framework_requirements(cluster_wide=cluster_wide, peering=peering, posting=posting)
-    reqs = [r for r in code_requirements + framework
+    reqs = [r for r in code_requirements + framework + admission_requirements()
             if applies(r, cluster_wide=cluster_wide, peering=peering)]
     reqs = [Requirement(r.group, r.resource, r.verb, "cluster" if cluster_wide else r.scope, r.source)
             for r in reqs]

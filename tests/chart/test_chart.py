@@ -61,7 +61,8 @@ def test_helm_lint_clean(helm, extra):
 def test_default_render_is_valid(rendered_default):
     got = sorted(m["kind"] for m in rendered_default)
     assert got == ["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
-                   "ServiceAccount"]  # the operator's role and the aggregated edit/view roles
+                   "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    # the operator's role and the aggregated edit/view roles; the pod-patch policy and its binding
     for m in rendered_default:
         validate_manifest(m)
 
@@ -70,7 +71,7 @@ def test_all_options_render_is_valid(rendered_all):
     got = sorted(m["kind"] for m in rendered_all)
     assert got == sorted(["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
                           "ServiceAccount", "ServiceMonitor", "PodMonitor", "Role", "Role", "RoleBinding",
-                          "RoleBinding"])
+                          "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"])
     for m in rendered_all:
         validate_manifest(m)
 
@@ -233,6 +234,9 @@ def test_all_options_land(rendered_all):
     assert {"name": "KVFLEET_SERVING_IMAGE", "value": "registry.example.com/kvfleet/kvfleet-server:0.1.0-cuda"} \
         in c["env"]
     assert {"name": "KVFLEET_SERVING_IMAGE_PULL_POLICY", "value": "Always"} in c["env"]
+    for name, value in (("KVFLEET_CPU_PER_GPU", "6500m"), ("KVFLEET_MEMORY_PER_GPU", "80Gi"),
+                        ("KVFLEET_SHM_PER_GPU", "2Gi")):
+        assert {"name": name, "value": value} in c["env"]
     pm = one(rendered_all, "PodMonitor")
     assert pm["metadata"]["namespace"] == "monitoring" and pm["metadata"]["labels"]["release"] == "prometheus"
     assert pm["spec"]["namespaceSelector"] == {"matchNames": ["llm-prod", "llm-staging"]}
@@ -255,6 +259,29 @@ def test_serving_image_reaches_the_operator_and_the_pods_it_renders(rendered_def
     sample = yaml.safe_load((CHART.parents[1] / "crds/samples/llama-3.1-8b-instruct.yaml").read_text())
     box = render.render(sample, defaults=defaults).deployment["spec"]["template"]["spec"]["containers"][0]
     assert (box["image"], box["imagePullPolicy"]) == (env["KVFLEET_SERVING_IMAGE"], "IfNotPresent")
+
+
+def test_serving_defaults_reach_the_operator_and_size_the_gpu_pods(helm, rendered_default):
+    """servingDefaults are the per-GPU figures the operator renders for GPU pods that leave
+    spec.resources.cpu/memory/shmSize unset (the chart's defaults are the operator's own)."""
+    from kvfleet_operator import render
+
+    _, c = _container(rendered_default)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert render.ServingDefaults.from_env(env) == render.ServingDefaults()
+    _, c = _container(render_chart(helm, sets=["servingDefaults.cpuPerGPU=8", "servingDefaults.memoryPerGPU=64Gi",
+                                               "servingDefaults.shmPerGPU=4Gi"]))
+    defaults = render.ServingDefaults.from_env({e["name"]: e.get("value") for e in c["env"]})
+    obj = {"apiVersion": "serving.kvfleet.dev/v1alpha1", "kind": "InferenceService",
+           "metadata": {"name": "big", "namespace": "llm"},
+           "spec": {"model": {"uri": "hf://meta-llama/Llama-3.3-70B-Instruct"}, "engine": {"tensorParallelSize": 2}}}
+    dep = render.render(obj, defaults=defaults).deployment
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["requests"] == {"cpu": "16", "memory": "136Gi"}
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in pod["volumes"]
+    validate_manifest(dep)
+    with pytest.raises(HelmError, match="cpuPerGPU"):
+        render_chart(helm, sets=["servingDefaults.cpuPerGPU=lots"])
 
 
 def test_serving_pods_rendered_with_pull_secrets_are_valid(rendered_default):

@@ -69,7 +69,7 @@ def test_analysis_covers_every_module_that_talks_to_the_api():
             continue
         text = path.read_text()
         if re.search(r"get_client\(|@kopf\.(on\.\w+|daemon|timer|index)\(|"
-                     r"^\s*(import|from) kubernetes", text, re.M):
+                     r"^\s*(import|from) kubernetes\b", text, re.M):  # not kubernetes_validate
             talking.append(path.name)
             reqs = ra.analyze_source(text, f"kvfleet_operator.{path.stem}", filename=path.name)
             assert reqs, f"{path.name} talks to the API but the analysis found no call in it"
@@ -146,6 +146,22 @@ def test_removing_any_single_permission_fails_the_check(renders, code_requiremen
         resource = rule["resources"][0]
         assert any(m.startswith(f"{verb} ") and f"/{resource} " in m for m in missing), (
             f"dropping {verb} on {resource} from {kind} #{i} went unnoticed")
+
+
+def test_finalizers_update_follows_block_owner_deletion(renders, code_requirements, monkeypatch):
+    """Children carry blockOwnerDeletion: true (garbage collection in the foreground waits for them),
+    which OwnerReferencesPermissionEnforcement (OpenShift) allows only with `update` on the owner's
+    finalizers: granted because of that, and reported as unused if the children stopped setting it."""
+    from kvfleet_operator import render
+
+    manifests = renders["all-namespaces+peering (default)"]
+    assert ("serving.kvfleet.dev", "inferenceservices/finalizers", "update", "namespace") in \
+        {r.key() for r in ra.admission_requirements()}
+    assert render.owner_reference({"metadata": {"name": "x", "uid": "u"}})["blockOwnerDeletion"] is True
+    real = render.owner_reference
+    monkeypatch.setattr(render, "owner_reference", lambda obj: {**real(obj), "blockOwnerDeletion": False})
+    _, excess = ra.check(manifests, code_requirements)
+    assert excess == ["update serving.kvfleet.dev/inferenceservices/finalizers"]
 
 
 def test_missing_permission_names_the_code(renders, code_requirements):

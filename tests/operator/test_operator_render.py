@@ -41,7 +41,8 @@ def test_defaults_for_omitted_fields():
     for absent in ("--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--speculative-config",
                    "--tokenizer"):
         assert absent not in args
-    assert box["resources"] == {"limits": {"nvidia.com/gpu": "1"}}
+    # per GPU: 4 CPUs and 24Gi requested (ServingDefaults), no memory limit by default
+    assert box["resources"] == {"limits": {"nvidia.com/gpu": "1"}, "requests": {"cpu": "4", "memory": "24Gi"}}
     assert c.deployment["spec"]["replicas"] == 1 and c.pdb is None
     assert box["image"].startswith("ghcr.io/kvfleet/kvfleet-server:")
     assert c.service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
@@ -144,21 +145,29 @@ def test_tp4_gets_four_gpus_and_shared_memory():
     c = render.render(isvc({**HF, "engine": {"tensorParallelSize": 4}}))
     box, pod = container(c), c.deployment["spec"]["template"]["spec"]
     assert box["resources"]["limits"]["nvidia.com/gpu"] == "4"
-    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    # /dev/shm: 1Gi per tensor-parallel rank, memory-backed, with a size limit ...
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}} in pod["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in box["volumeMounts"]
+    # ... counted in the memory request (4 x 24Gi + 4Gi), as Kubernetes counts it against the container's memory
+    assert box["resources"]["requests"] == {"cpu": "16", "memory": "100Gi"}
+    assert "memory" not in box["resources"]["limits"]
+
+
+AFFINITY = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+    {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100-80GB-HBM3"]}]}]}}}
 
 
 def test_resources_and_scheduling():
     spec = {**HF, "resources": {"gpus": 2, "gpuResourceName": "amd.com/gpu", "cpu": 8, "memory": "64Gi"},
             "scheduling": {"nodeSelector": {"pool": "gpu"}, "priorityClassName": "high", "runtimeClassName": "nvidia",
                            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                           "affinity": {"nodeAffinity": {"x": 1}}}}
+                           "affinity": AFFINITY}}
     c = render.render(isvc(spec))
     box, pod = container(c), c.deployment["spec"]["template"]["spec"]
     assert box["resources"] == {"limits": {"amd.com/gpu": "2", "memory": "64Gi"},
                                 "requests": {"cpu": "8", "memory": "64Gi"}}
     assert pod["nodeSelector"] == {"pool": "gpu"} and pod["priorityClassName"] == "high"
-    assert pod["runtimeClassName"] == "nvidia" and pod["affinity"] == {"nodeAffinity": {"x": 1}}
+    assert pod["runtimeClassName"] == "nvidia" and pod["affinity"] == AFFINITY
     assert pod["tolerations"] == [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 
@@ -250,7 +259,8 @@ def test_pod_security_labels_annotations_strategy_owner():
 def test_replicas_and_pdb():
     c = render.render(isvc({**HF, "replicas": 3}))
     assert c.deployment["spec"]["replicas"] == 3
-    assert c.pdb["spec"] == {"maxUnavailable": 1, "selector": c.deployment["spec"]["selector"]}
+    assert c.pdb["spec"] == {"maxUnavailable": 1, "selector": c.deployment["spec"]["selector"],
+                             "unhealthyPodEvictionPolicy": "AlwaysAllow"}
     auto = {**HF, "replicas": 7, "autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 5}}
     assert render.render(isvc(auto)).deployment["spec"]["replicas"] == 2  # minReplicas, spec.replicas ignored
     assert render.render(isvc(auto, status={"desiredReplicas": 4})).deployment["spec"]["replicas"] == 4

@@ -30,11 +30,14 @@ Rules on namespaced resources: in the ClusterRole (all namespaces) or a Role per
 - inferenceservices: kopf lists/watches them and patches its annotations and finalizer; the
   reconcile of a child's owner reads it (get). The spec is never written.
 - inferenceservices/status: conditions, observedGeneration, replicas, url, autoscaling.
+- inferenceservices/finalizers update: the children's ownerReferences set blockOwnerDeletion, which
+  clusters with the OwnerReferencesPermissionEnforcement admission plugin (OpenShift) allow only to
+  whoever may update the owner's finalizers. No request of the operator uses it.
 - deployments, services, poddisruptionbudgets: the children, read, created, patched, deleted.
 - pods: list, for the autoscaler to scrape each ready serving pod's /metrics and for the reconcile to
   report failing pods; watch, so that a pod failure reaches the status at once; patch, for the
   controller.kubernetes.io/pod-deletion-cost annotation set before a scale-down (the only pod
-  writes: the ReplicaSet then removes the idlest pods).
+  writes: the ReplicaSet then removes the idlest pods; pod-patch-policy.yaml denies any other change).
 - events: the autoscaler's Kubernetes Events on InferenceServices (scale decisions).
 - kopfpeerings (named namespaces, peering on): as clusterkopfpeerings above, per namespace.
 Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not the operator.
@@ -46,6 +49,9 @@ Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not 
 - apiGroups: ["serving.kvfleet.dev"]
   resources: ["inferenceservices/status"]
   verbs: ["patch"]
+- apiGroups: ["serving.kvfleet.dev"]
+  resources: ["inferenceservices/finalizers"]
+  verbs: ["update"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
