@@ -242,6 +242,21 @@ def test_crash_loop_is_degraded(cluster, operator, ns):
     assert cond["message"]
 
 
+def test_pod_patch_policy_allows_only_the_deletion_cost(cluster, operator, ns):
+    """The chart's ValidatingAdmissionPolicy on a real API server: with the operator's own token, the
+    pod-deletion-cost annotation can be set; a label or another annotation cannot."""
+    kubelet = Kubelet(cluster)
+    cluster.create_isvc(ns, isvc("vap"))
+    pod = wait_for("a pod", lambda: kubelet.pods(ns, SELECTOR.format("vap")), timeout=60)[0].metadata.name
+    as_operator = client.CoreV1Api(Cluster(str(operator.kubeconfig)).api)
+    as_operator.patch_namespaced_pod(pod, ns, {"metadata": {"annotations": {
+        "controller.kubernetes.io/pod-deletion-cost": "-5"}}})
+    for patch in ({"metadata": {"labels": {"evil": "1"}}}, {"metadata": {"annotations": {"other": "x"}}}):
+        with pytest.raises(ApiException) as exc:
+            as_operator.patch_namespaced_pod(pod, ns, patch)
+        assert exc.value.status == 403 and "kvfleet-pod-patch" in exc.value.body, exc.value.body
+
+
 def test_no_request_of_the_operator_was_forbidden(cluster, operator):
     """Runs last in this module: everything above used only the chart's RBAC."""
     assert operator.forbidden() == []
