@@ -159,11 +159,11 @@ def test_compute_status_reports_the_pod_problem_and_clears_it():
     obj = {"metadata": {"name": "m", "generation": 1}, "status": {}}
     dep = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1}}
     problem = pods.pod_problem([pod("m-1", "m", containers=CRASH)])
-    bad = st.compute_status(obj, dep, 1, "u", "m", "s", "t1", False, pod_problem=problem)
+    bad = st.compute_status(obj, dep, 1, "u", "m", "s", "t1", False, problem=problem)
     d = st.get_condition(bad, st.DEGRADED)
     assert (d["status"], d["reason"]) == ("True", "CrashLoopBackOff") and "not supported yet" in d["message"]
     assert st.get_condition(bad, st.READY)["reason"] == "WaitingForPods"  # Ready keeps the rollout's view
     obj["status"] = bad
-    good = st.compute_status(obj, dep, 1, "u", "m", "s", "t2", False, pod_problem=None)
+    good = st.compute_status(obj, dep, 1, "u", "m", "s", "t2", False, problem=None)
     d = st.get_condition(good, st.DEGRADED)
     assert (d["status"], d["reason"], d["lastTransitionTime"]) == ("False", "ReconcileSucceeded", "t2")
