@@ -55,6 +55,7 @@ from . import status as st
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
 FINALIZER = "serving.kvfleet.dev/kopf-finalizer"
 CHILD_FILTER = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
+MANAGED = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())  # the same, as a label selector
 CHILDREN = (("deployment", "apps/v1", "deployments"), ("service", "v1", "services"),
             ("pdb", "policy/v1", "poddisruptionbudgets"))
 CHILD_EVENT_ATTEMPTS = 6  # backoff 1+2+4+8+16+32 s before giving up on a child event
@@ -73,10 +74,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.level = logging.WARNING  # Kubernetes Events only for warnings and errors
     settings.posting.reporting_component = "kvfleet-operator"
     # watch only the operator's own children (server-side filter; big clusters have many Deployments)
-    managed = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())
     for selector in (("apps", "v1", "deployments"), ("v1", "services"), ("policy", "v1", "poddisruptionbudgets"),
                      ("v1", "pods")):
-        settings.watching.label_selectors[selector] = managed
+        settings.watching.label_selectors[selector] = MANAGED
     settings.watching.field_selectors[("v1", "events")] = POD_WARNINGS
 
 
@@ -343,9 +343,9 @@ async def volume_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> Non
     namespace = ref.get("namespace") or body.get("metadata", {}).get("namespace")
     if not namespace or not ref.get("name"):
         return
-    selector = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())
-    found = await kube.get_client().list("v1", "pods", namespace, label_selector=selector,
-                                         field_selector=f"metadata.name={ref.get('name')}")
+    client = kube.get_client()
+    found = await client.list("v1", "pods", namespace, label_selector=MANAGED,
+                              field_selector=f"metadata.name={ref['name']}")
     for pod in found:
         await _child_event(namespace, (pod["metadata"].get("labels") or {}).get(render.OWNER_LABEL), logger)
 
