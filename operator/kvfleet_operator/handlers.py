@@ -3,8 +3,14 @@
 Triggers: an InferenceService is created, its spec/metadata changes, or the operator (re)starts
 (resume); an owned Deployment/Service/PodDisruptionBudget changes or is deleted (the event names
 its controller InferenceService, which is then reconciled); a serving pod starts or stops failing
-(its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``). One pass (``reconcile``):
+(its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``); a
+Warning Event says a pod's volume does not attach or mount (``FailedAttachVolume`` such as
+Multi-Attach, ``FailedMount``; only Events about pods with ``type=Warning`` are watched, filtered by
+the API server). One pass (``reconcile``), under the object's lock:
 
+0. read the InferenceService fresh (whatever an event carried may be older than the last status
+   write): status is computed from this one read and the children read after it, never from a
+   copy taken before the lock;
 1. parse and render the spec (pure), the children checked against the strict Kubernetes schema of
    the API server's version (``strict``: an unknown field in ``scheduling.affinity`` is named by its
    path); a spec that cannot be realised -> status Degraded=True with reason and message, no child
@@ -14,23 +20,33 @@ its controller InferenceService, which is then reconciled); a serving pod starts
    that removing the object in the way is enough) — the operator never takes over objects it did
    not create; orphans it did create (``--cascade=orphan``) are adopted;
 3. create or three-way merge-patch each child (``apply``; ``fieldValidation=Strict``), delete the PDB
-   when no longer wanted; a child the API server refuses as invalid (422, e.g. a value only it
-   checks) is Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec;
-4. list the serving pods: one that crash-loops, was OOM-killed, cannot pull its image or cannot be
-   scheduled makes Degraded=True with the reason and the container's termination message;
+   when no longer wanted; a child the API server refuses as invalid (422, e.g. a value only it checks) is
+   Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec; any
+   other refusal (a full Service IP range, a quota's 403, a 500) is retried with backoff and, from
+   the second failure in a row on, reported as Degraded ``ChildCreateFailed`` / ``ChildUpdateFailed``
+   with the server's message (the other children are still applied, the status still written);
+4. list the serving pods (and the Warning Events of those still Pending): one that crash-loops, was
+   OOM-killed, cannot pull its image, cannot mount a volume or cannot be scheduled makes
+   Degraded=True with the reason and message; so does the Deployment's ReplicaFailure
+   (``FailedCreate``: quota, admission webhook, Pod Security);
 5. write the status subresource only when it changed.
 
 API errors raise ``kopf.TemporaryError`` with exponential backoff (1, 2, 4 … 60 s). The
 InferenceService's spec and user metadata are never written; kopf's own state lives in
 annotations with the ``kopf.serving.kvfleet.dev`` prefix (survives structural-schema pruning).
+No per-object state outlives a pass: the lock of an object exists only while a pass holds or
+awaits it.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
+import dataclasses
 import logging
 import os
 import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import kopf
@@ -41,10 +57,13 @@ from . import status as st
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
 FINALIZER = "serving.kvfleet.dev/kopf-finalizer"
 CHILD_FILTER = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
+MANAGED = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())  # the same, as a label selector
 CHILDREN = (("deployment", "apps/v1", "deployments"), ("service", "v1", "services"),
             ("pdb", "policy/v1", "poddisruptionbudgets"))
 CHILD_EVENT_ATTEMPTS = 6  # backoff 1+2+4+8+16+32 s before giving up on a child event
-_locks: dict[tuple[int, str, str], asyncio.Lock] = {}
+CHILD_FAILURE_REPORTED_AT_RETRY = 1  # a child write failing twice in a row is Degraded (one blip is not)
+CHILD_WRITE_REASONS = ("ChildCreateFailed", "ChildUpdateFailed")
+POD_WARNINGS = "type=Warning,involvedObject.kind=Pod"  # server-side filter of the Events watch
 SERVING_DEFAULTS = render.ServingDefaults.from_env(dict(os.environ))  # the chart's servingImage, servingDefaults
 
 
@@ -57,10 +76,10 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.level = logging.WARNING  # Kubernetes Events only for warnings and errors
     settings.posting.reporting_component = "kvfleet-operator"
     # watch only the operator's own children (server-side filter; big clusters have many Deployments)
-    managed = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())
     for selector in (("apps", "v1", "deployments"), ("v1", "services"), ("policy", "v1", "poddisruptionbudgets"),
                      ("v1", "pods")):
-        settings.watching.label_selectors[selector] = managed
+        settings.watching.label_selectors[selector] = MANAGED
+    settings.watching.field_selectors[("v1", "events")] = POD_WARNINGS
 
 
 @kopf.on.startup()
@@ -81,12 +100,31 @@ async def cleanup(**_: Any) -> None:
     await kube.close_client()
 
 
-def object_lock(namespace: str, name: str) -> asyncio.Lock:
-    """The lock that serialises writes to one InferenceService's children (reconcile, autoscaler)."""
+@dataclasses.dataclass
+class _Lock:
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+    users: int = 0  # passes holding or awaiting it
+
+
+_locks: dict[tuple[int, str, str], _Lock] = {}
+
+
+@contextlib.asynccontextmanager
+async def object_lock(namespace: str, name: str) -> AsyncIterator[None]:
+    """Hold the lock that serialises one InferenceService's passes (reconcile, autoscaler apply).
+
+    The entry exists only while a pass holds or awaits it, so nothing is kept per object between
+    passes or after its deletion (the map's size is the number of objects being worked on)."""
     key = (id(asyncio.get_running_loop()), namespace, name)
-    if key not in _locks:
-        _locks[key] = asyncio.Lock()
-    return _locks[key]
+    entry = _locks.setdefault(key, _Lock())
+    entry.users += 1
+    try:
+        async with entry.lock:
+            yield
+    finally:
+        entry.users -= 1
+        if entry.users == 0:
+            del _locks[key]
 
 
 class Degraded(Exception):
@@ -99,17 +137,29 @@ class Degraded(Exception):
         self.retryable = retryable
 
 
-async def reconcile(obj: dict[str, Any], logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
-    """One reconcile pass of InferenceService ``obj``; returns the status patch written ({} if none).
+async def reconcile(namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter, retry: int = 0,
+                    only_if: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+    """One reconcile pass of InferenceService ``namespace/name``; returns the status patch written
+    ({} if none, or if the object is gone, being deleted, or fails ``only_if``).
 
-    Raises Degraded (spec unrealisable or child conflict, already reported) or kube.ApiError."""
-    meta = obj["metadata"]
-    namespace, name = meta.get("namespace") or "default", meta["name"]
+    Everything is read under the object's lock: the InferenceService first, then its children, so
+    the status reflects one consistent view. ``retry``: how many passes in a row failed before
+    this one (kopf's retry count): from ``CHILD_FAILURE_REPORTED_AT_RETRY`` on, a child write the
+    API server refuses is reported in the status. ``only_if(fresh_object)``: skip the pass unless
+    true (a trigger that matters only in some states).
+
+    Raises Degraded (spec unrealisable or child conflict, already reported) or kube.ApiError (a
+    child write refused, reported once persistent; any other API failure)."""
     client = kube.get_client()
     started = time.monotonic()
     async with object_lock(namespace, name):
+        obj = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
+        if obj is None or obj["metadata"].get("deletionTimestamp"):
+            return {}  # gone or going: the garbage collector removes the children, nothing to reconcile
+        if only_if is not None and not only_if(obj):
+            return {}
         try:
-            written = await _reconcile(client, obj, namespace, name, logger)
+            written = await _reconcile(client, obj, namespace, name, logger, retry)
             metrics.RECONCILES.labels(result="success").inc()
             return written
         except render.Unrealisable as exc:
@@ -126,9 +176,7 @@ async def reconcile(obj: dict[str, Any], logger: logging.Logger | logging.Logger
 
 
 async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: str, name: str,
-                     logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
-    if obj["metadata"].get("deletionTimestamp"):
-        return {}  # being deleted: the garbage collector removes the children, nothing to reconcile
+                     logger: logging.Logger | logging.LoggerAdapter, retry: int) -> dict[str, Any]:
     spec = render.parse_spec(obj)
     version = strict.kubernetes_version(await client.server_version())  # the children's schema
     children = render.render(obj, defaults=SERVING_DEFAULTS, kubernetes_version=version)  # Unrealisable first
@@ -148,20 +196,19 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                                  f"this InferenceService; delete or rename it", retryable=True)
     result: dict[str, Any] = {}
     template_written = False
+    failure: tuple[str, str] | None = None  # (reason, message) of the first child write refused
+    error: kube.ApiError | None = None
     for kind, av, plural in CHILDREN:
         want, have = desired[kind], live[kind]
-        if want is None:
-            if have is not None and ours[kind]:
+        action, body = ("delete", None) if want is None else apply.plan(want, have)
+        if want is None and (have is None or not ours[kind]):
+            continue
+        what = (want or have or {}).get("kind", kind)
+        try:
+            if action == "delete":
                 logger.info(f"Deleting {kind} {namespace}/{name} (no longer wanted)")
                 await client.delete(av, plural, namespace, name)
-                metrics.CHILD_WRITES.labels(kind=kind, action="delete").inc()
-            continue
-        action, body = apply.plan(want, have)
-        if action == "create" and await _being_deleted(client, namespace, name):
-            logger.info(f"Not creating {kind} {namespace}/{name}: the InferenceService is being deleted")
-            return {}
-        try:
-            if action == "create":
+            elif action == "create":
                 logger.info(f"Creating {kind} {namespace}/{name}")
                 result[kind] = await client.create(av, plural, namespace, body)
             elif action == "patch":
@@ -171,9 +218,16 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                 result[kind] = have
         except kube.ApiError as exc:
             if exc.status == 422:  # the rendered child is invalid: retrying cannot help, the spec must change
-                raise render.Unrealisable("ChildInvalid", f"the API server refused the {want['kind']}: "
+                raise render.Unrealisable("ChildInvalid", f"the API server refused the {what}: "
                                                           f"{exc.message}") from None
-            raise
+            logger.warning(f"{action} of {what} {namespace}/{name} failed: {exc}")
+            result[kind] = have
+            if error is None:
+                error = exc
+                failure = ("ChildCreateFailed" if action == "create" else "ChildUpdateFailed",
+                           f"{action} of {what} {namespace}/{name} refused by the API server "
+                           f"({exc.status} {exc.reason}): {exc.message}; retrying with backoff")
+            continue
         if action != "noop":
             metrics.CHILD_WRITES.labels(kind=kind, action=action).inc()
         if kind == "deployment" and body is not None:
@@ -182,19 +236,19 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     serving_pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector)
                     if all((p.get("metadata", {}).get("labels") or {}).get(k) == v
                            for k, v in render.selector_labels(name).items())]
-    new = st.compute_status(obj, result["deployment"], replicas,
+    events = [e for pod in pods.starting_pods(serving_pods)
+              for e in await client.list("v1", "events", namespace, field_selector=pods.event_selector(pod))]
+    old_degraded = st.get_condition(obj.get("status"), st.DEGRADED) or {}
+    report = failure is not None and (retry >= CHILD_FAILURE_REPORTED_AT_RETRY or
+                                      old_degraded.get("reason") in CHILD_WRITE_REASONS)
+    problem = (failure if report else None) or pods.pod_problem(serving_pods, events)
+    new = st.compute_status(obj, result.get("deployment"), replicas,
                             render.service_url(name, namespace, spec.service.port), spec.served_model_name,
-                            selector, st.now_rfc3339(), spec.autoscaling.enabled,
-                            template_written, pods.pod_problem(serving_pods))
-    return await _write_status(client, obj, new)
-
-
-async def _being_deleted(client: kube.KubeClient, namespace: str, name: str) -> bool:
-    """Whether the InferenceService is gone or has a deletionTimestamp *now*. ``obj`` may be older than
-    the deletion (a pass queued behind the lock): re-reading before a create keeps the operator from
-    recreating children the garbage collector is removing. Creates are rare, so is this GET."""
-    fresh = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
-    return fresh is None or bool(fresh.get("metadata", {}).get("deletionTimestamp"))
+                            selector, st.now_rfc3339(), spec.autoscaling.enabled, template_written, problem)
+    written = await _write_status(client, obj, new)
+    if error is not None:
+        raise error
+    return written
 
 
 def _adoptable(child: dict[str, Any], name: str) -> bool:
@@ -223,8 +277,9 @@ def _backoff(retry: int) -> float:
 @kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, id="reconcile")
 async def reconcile_handler(body: kopf.Body, retry: int, logger: logging.Logger, **_: Any) -> None:
     """Reconcile on create / update / resume; permanent failure for unrealisable specs."""
+    meta = body.get("metadata", {})
     try:
-        await reconcile(plain_copy(body), logger)
+        await reconcile(meta.get("namespace") or "default", meta["name"], logger, retry)
     except Degraded as exc:
         if exc.retryable:
             raise kopf.TemporaryError(str(exc), delay=_backoff(retry)) from None
@@ -238,28 +293,15 @@ def plain_copy(body: Any) -> dict[str, Any]:
     return copy.deepcopy(dict(body))
 
 
-def _owner_name(body: kopf.Body) -> str | None:
-    for ref in body.get("metadata", {}).get("ownerReferences") or []:
-        if ref.get("controller") and ref.get("kind") == api.KIND and ref.get("apiVersion", "").startswith(api.GROUP):
-            return ref.get("name")
-    return None
-
-
-async def _child_event(body: kopf.Body, logger: logging.Logger, owner: str | None = None,
-                       only_if_pods_matter: bool = False) -> None:
-    owner = owner or _owner_name(body)
-    namespace = body.get("metadata", {}).get("namespace")
-    if owner is None:
+async def _child_event(namespace: str | None, owner: str | None, logger: logging.Logger,
+                       only_if: Callable[[dict[str, Any]], bool] | None = None) -> None:
+    """Reconcile InferenceService ``namespace/owner`` after one of its children changed, retrying API
+    errors with backoff (``CHILD_EVENT_ATTEMPTS``)."""
+    if owner is None or namespace is None:
         return
-    client = kube.get_client()
     for attempt in range(CHILD_EVENT_ATTEMPTS):
         try:
-            obj = await client.get(api.API_VERSION, api.PLURAL, namespace, owner)
-            if obj is None or obj.get("metadata", {}).get("deletionTimestamp"):
-                return  # the owner is going away; the garbage collector removes the children
-            if only_if_pods_matter and not _pods_matter(body, obj):
-                return
-            await reconcile(obj, logger)
+            await reconcile(namespace, owner, logger, retry=attempt, only_if=only_if)
             return
         except Degraded:
             return  # reported in the owner's status; kopf's handler retries or waits for a spec change
@@ -272,36 +314,67 @@ async def _child_event(body: kopf.Body, logger: logging.Logger, owner: str | Non
                  f"the next change or operator restart reconciles it")
 
 
-def _pods_matter(pod: kopf.Body, owner: dict[str, Any]) -> bool:
-    """A pod event needs a reconcile when the pod fails now, or when the owner's Degraded condition
-    names a pod failure that may have cleared (readiness changes reach the status through the
-    Deployment's own events)."""
-    degraded = st.get_condition(owner.get("status"), st.DEGRADED) or {}
-    return pods.pod_problem([dict(pod)]) is not None or \
-        (degraded.get("status") == "True" and degraded.get("reason") in pods.REASONS)
+def _pods_matter(pod: dict[str, Any]) -> Callable[[dict[str, Any]], bool]:
+    """Whether a pod event needs a reconcile of the (fresh) owner: the pod fails now, or the owner's
+    Degraded condition names a pod failure that may have cleared (readiness changes reach the
+    status through the Deployment's own events)."""
+    def matters(owner: dict[str, Any]) -> bool:
+        degraded = st.get_condition(owner.get("status"), st.DEGRADED) or {}
+        return pods.pod_problem([pod]) is not None or \
+            (degraded.get("status") == "True" and degraded.get("reason") in pods.REASONS)
+    return matters
 
 
 @kopf.on.event("", "v1", "pods", labels=CHILD_FILTER)
 async def pod_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """A serving pod changed: a failure (crash loop, OOM kill, image pull, unschedulable) reaches the
     owner's status within one reconcile, and so does its recovery."""
-    owner = (body.get("metadata", {}).get("labels") or {}).get(render.OWNER_LABEL)
-    await _child_event(body, logger, owner=owner, only_if_pods_matter=True)
+    meta = body.get("metadata", {})
+    owner = (meta.get("labels") or {}).get(render.OWNER_LABEL)
+    await _child_event(meta.get("namespace"), owner, logger, only_if=_pods_matter(plain_copy(body)))
+
+
+def _volume_warning(body: kopf.Body, **_: Any) -> bool:
+    return body.get("reason") in pods.VOLUME_REASONS and (body.get("involvedObject") or {}).get("kind") == "Pod"
+
+
+@kopf.on.event("", "v1", "events", when=_volume_warning)
+async def volume_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """A pod's volume does not attach (Multi-Attach) or mount: when the pod is a serving pod (labelled
+    as ours; one list by name), reconcile its owner, which reads the pod's Events."""
+    ref = body.get("involvedObject") or {}
+    namespace = ref.get("namespace") or body.get("metadata", {}).get("namespace")
+    if not namespace or not ref.get("name"):
+        return
+    client = kube.get_client()
+    found = await client.list("v1", "pods", namespace, label_selector=MANAGED,
+                              field_selector=f"metadata.name={ref['name']}")
+    for pod in found:
+        await _child_event(namespace, (pod["metadata"].get("labels") or {}).get(render.OWNER_LABEL), logger)
+
+
+def _controller(body: kopf.Body) -> tuple[str | None, str | None]:
+    """(namespace, name) of the InferenceService controlling a child (None when it has none)."""
+    meta = body.get("metadata", {})
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == api.KIND and ref.get("apiVersion", "").startswith(api.GROUP):
+            return meta.get("namespace"), ref.get("name")
+    return meta.get("namespace"), None
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)
 async def deployment_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-    """An owned Deployment changed (rollout progress, edits, deletion): reconcile its owner."""
-    await _child_event(body, logger)
+    """An owned Deployment changed (rollout progress, ReplicaFailure, edits, deletion): reconcile its owner."""
+    await _child_event(*_controller(body), logger)
 
 
 @kopf.on.event("", "v1", "services", labels=CHILD_FILTER)
 async def service_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """An owned Service changed or was deleted: reconcile its owner."""
-    await _child_event(body, logger)
+    await _child_event(*_controller(body), logger)
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_FILTER)
 async def pdb_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """An owned PodDisruptionBudget changed or was deleted: reconcile its owner."""
-    await _child_event(body, logger)
+    await _child_event(*_controller(body), logger)

@@ -5,11 +5,19 @@ the operator's kopf login handler found (``set_credentials``), or found the same
 the in-cluster service account, else KUBECONFIG / ~/.kube/config. A 401 re-reads them once (bound
 service-account tokens rotate). Errors raise ``ApiError`` with the API's status code and message.
 
+Sized for bursts (a restart or a ``kubectl apply`` of 1,000 InferenceServices reconciles them all at
+once): at most ``POOL_SIZE`` requests are in flight on one pool of keep-alive connections; the others
+queue for a connection without a deadline, and the timeouts bound only the work on the socket —
+``CONNECT_TIMEOUT_S`` to open a connection, ``READ_TIMEOUT_S`` between two reads of an answer. (A
+single total timeout, aiohttp's default, also counts the time spent queueing for the pool, so a
+burst made requests time out inside the client before they were sent.)
+
 Usage::
 
     client = kube.get_client()
     dep = await client.get("apps/v1", "deployments", "ns", "name")      # None when absent
     pods = await client.list("v1", "pods", "ns", label_selector="a=b")
+    events = await client.list("v1", "events", "ns", field_selector="involvedObject.name=p,type=Warning")
     await client.patch("apps/v1", "deployments", "ns", "name", {"spec": {"replicas": 3}})
     await client.patch(API_VERSION, "inferenceservices", "ns", "name", {"status": {...}}, subresource="status")
 """
@@ -27,6 +35,9 @@ from typing import Any
 import aiohttp
 import kopf
 
+POOL_SIZE = 64  # concurrent requests (the API server's default --max-requests-inflight is 400)
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 60.0  # a list of every pod in a big namespace can take seconds
 _credentials: kopf.ConnectionInfo | None = None
 STRICT = {"fieldValidation": "Strict"}  # writes: refuse unknown fields instead of dropping them with a warning
 _clients: dict[int, "KubeClient"] = {}
@@ -96,11 +107,14 @@ def resource_path(api_version: str, plural: str, namespace: str | None, name: st
 
 
 class KubeClient:
-    """Async JSON client of the Kubernetes API."""
+    """Async JSON client of the Kubernetes API (pool size and timeouts: see the module docstring)."""
 
-    def __init__(self, info: kopf.ConnectionInfo | None, timeout_s: float = 30.0):
+    def __init__(self, info: kopf.ConnectionInfo | None, pool_size: int = POOL_SIZE,
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, read_timeout_s: float = READ_TIMEOUT_S):
         self.info = info
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.pool_size = pool_size
+        self.timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_timeout_s,
+                                             sock_read=read_timeout_s)
         self.loop = asyncio.get_running_loop()
         self._session: aiohttp.ClientSession | None = None
         self._tmp: list[str] = []
@@ -164,8 +178,9 @@ class KubeClient:
         if self.info is None:
             raise ApiError(401, "NoCredentials", "no in-cluster service account and no kubeconfig found")
         if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=self._ssl()),
-                                                  timeout=self.timeout)
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=self.pool_size, limit_per_host=0),
+                timeout=self.timeout)
         headers = {**self._headers(), "Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
@@ -202,11 +217,12 @@ class KubeClient:
                 return None
             raise
 
-    async def list(self, api_version: str, plural: str, namespace: str | None,
-                   label_selector: str | None = None) -> list[dict[str, Any]]:
-        """Items of a list call (label_selector in the API's syntax, e.g. 'a=b,c=d')."""
-        params = {"labelSelector": label_selector} if label_selector else None
-        data = await self.request("GET", resource_path(api_version, plural, namespace), params=params)
+    async def list(self, api_version: str, plural: str, namespace: str | None, label_selector: str | None = None,
+                   field_selector: str | None = None) -> list[dict[str, Any]]:
+        """Items of a list call (selectors in the API's syntax: labels 'a=b,c=d', fields
+        'metadata.name=x,type=Warning')."""
+        params = {k: v for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v}
+        data = await self.request("GET", resource_path(api_version, plural, namespace), params=params or None)
         return list((data or {}).get("items") or [])
 
     async def create(self, api_version: str, plural: str, namespace: str | None, body: dict[str, Any]) -> dict[str, Any]:

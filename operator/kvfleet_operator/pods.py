@@ -1,6 +1,7 @@
-"""Pure: why an InferenceService's serving pods fail, from the pods' own status (no I/O).
+"""Pure: why an InferenceService's serving pods fail, from the pods' own status and their Warning
+Events (no I/O).
 
-``pod_problem(pods)`` returns the most telling failure among the pods as ``(reason, message)``, or
+``pod_problem(pods, events)`` returns the most telling failure among the pods as ``(reason, message)``, or
 None when none is failing. The reconcile reports it as ``Degraded=True`` at once, instead of waiting
 for the Deployment's progress deadline (startup timeout + 600 s) while the status says the model is
 loading. Reasons, most specific first:
@@ -11,18 +12,25 @@ loading. Reasons, most specific first:
   that is the server's last log line, e.g. "error: not supported yet: ...");
 - ``ImagePullBackOff`` / ``ErrImagePull`` / ``InvalidImageName``: the serving image cannot be pulled;
 - ``CreateContainerConfigError`` / ``CreateContainerError``: e.g. a missing Secret for HF_TOKEN;
+- ``FailedAttachVolume`` / ``FailedMount``: a scheduled pod cannot start because a volume does not
+  attach or mount, e.g. "Multi-Attach error for volume "pvc-…" Volume is already used by pod(s) …"
+  (a ReadWriteOnce model cache on a second node) or a missing PVC/Secret. Only the kubelet's and the
+  attach/detach controller's Warning Events say so (the pod itself just waits in ContainerCreating):
+  the reconcile reads the Events of the pods ``starting_pods`` names (``event_selector``);
 - ``Unschedulable``: no node fits (e.g. "0/3 nodes are available: 3 Insufficient nvidia.com/gpu").
 
 Init containers (the hf:// model download) are judged like the server container. Pods being deleted
-and pods that finished are ignored.
+and pods that finished are ignored; volume Events count only while their pod is still Pending.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 PULL_REASONS = ("ImagePullBackOff", "ErrImagePull", "InvalidImageName")
 CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError")
-REASONS = ("OOMKilled", "CrashLoopBackOff", *PULL_REASONS, *CONFIG_REASONS, "Unschedulable")
+VOLUME_REASONS = ("FailedAttachVolume", "FailedMount")  # Warning Event reasons (attach/detach controller, kubelet)
+REASONS = ("OOMKilled", "CrashLoopBackOff", *PULL_REASONS, *CONFIG_REASONS, *VOLUME_REASONS, "Unschedulable")
 MAX_DETAIL = 512  # characters of a termination message kept in the condition
 
 
@@ -49,14 +57,36 @@ def _container_problem(pod: str, cs: dict[str, Any], init: bool) -> tuple[str, s
     return None
 
 
-def pod_problem(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
-    """(reason, message) of the most specific failure among ``pods`` (order of ``REASONS``), or None."""
+def _live(pod: dict[str, Any]) -> bool:
+    meta, st = pod.get("metadata") or {}, pod.get("status") or {}
+    return not meta.get("deletionTimestamp") and st.get("phase") not in ("Succeeded", "Failed")
+
+
+def starting_pods(pods: list[dict[str, Any]]) -> list[str]:
+    """Names of the pods that are scheduled but still Pending: the ones whose Warning Events may say
+    why they do not start (a volume that does not attach or mount)."""
+    return [(p.get("metadata") or {}).get("name", "?") for p in pods if _live(p)
+            and (p.get("status") or {}).get("phase") == "Pending"
+            and any(c.get("type") == "PodScheduled" and c.get("status") == "True"
+                    for c in (p.get("status") or {}).get("conditions") or [])]
+
+
+def event_selector(pod_name: str) -> str:
+    """The field selector of a pod's Warning Events (core/v1 ``events`` list)."""
+    return f"involvedObject.kind=Pod,involvedObject.name={pod_name},type=Warning"
+
+
+def pod_problem(pods: list[dict[str, Any]], events: Sequence[dict[str, Any]] = ()) -> tuple[str, str] | None:
+    """(reason, message) of the most specific failure among ``pods`` (order of ``REASONS``), or None.
+
+    ``events``: core/v1 Events about the pods; those with a ``VOLUME_REASONS`` reason about a pod that
+    ``starting_pods`` names count, with the Event's message (the first of several about one pod
+    suffices: the kubelet repeats them)."""
     found: list[tuple[str, str]] = []
     for pod in pods:
-        meta, st = pod.get("metadata") or {}, pod.get("status") or {}
-        if meta.get("deletionTimestamp") or st.get("phase") in ("Succeeded", "Failed"):
+        if not _live(pod):
             continue
-        name = meta.get("name", "?")
+        name, st = (pod.get("metadata") or {}).get("name", "?"), pod.get("status") or {}
         for init, key in ((True, "initContainerStatuses"), (False, "containerStatuses")):
             for cs in st.get(key) or []:
                 problem = _container_problem(name, cs, init)
@@ -66,6 +96,12 @@ def pod_problem(pods: list[dict[str, Any]]) -> tuple[str, str] | None:
             if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
                     and cond.get("reason") == "Unschedulable":
                 found.append(("Unschedulable", f"pod {name} cannot be scheduled: {cond.get('message') or ''}".strip()))
+    starting = set(starting_pods(pods))
+    for event in events:
+        ref = event.get("involvedObject") or {}
+        if event.get("reason") in VOLUME_REASONS and ref.get("kind") == "Pod" and ref.get("name") in starting:
+            detail = " ".join((event.get("message") or event["reason"]).split())[:MAX_DETAIL]
+            found.append((event["reason"], f"pod {ref['name']}: {detail}"))
     if not found:
         return None
     return min(found, key=lambda p: REASONS.index(p[0]))

@@ -60,6 +60,25 @@ def _match_selector(labels: dict[str, str], selector: str) -> bool:
     return True
 
 
+def _match_fields(obj: dict[str, Any], selector: str) -> bool:
+    """Equality-based field selectors: a.b=v, a.b==v, a.b!=v (comma = AND; absent fields are '')."""
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        negate = "!=" in term
+        path, value = term.replace("!=", "=").replace("==", "=").split("=", 1)
+        found: Any = obj
+        for part in path.strip().split("."):
+            found = found.get(part) if isinstance(found, dict) else None
+        if (str(found if found is not None else "") == value.strip()) == negate:
+            return False
+    return True
+
+
+def _selected(obj: dict[str, Any], params: dict[str, str]) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return _match_selector(labels, params.get("labelSelector") or "") and \
+        _match_fields(obj, params.get("fieldSelector") or "")
+
+
 class ApiServerEmulator(kmock.KubernetesEmulator):
     """KMock's emulator plus the object bookkeeping of a real API server that kopf relies on.
 
@@ -67,9 +86,12 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     metadata.resourceVersion bumped on every write (kopf's JSON patches test it); metadata.generation
     incremented when a write changes ``spec``; the status subresource accepting only ``status``
     (and the main resource ignoring ``status`` changes, as for CRDs with a status subresource);
-    ``labelSelector`` honoured on list and watch. ``inject_fault`` makes chosen requests fail (as an
-    overloaded or flaky API server does) to exercise retries. Still absent (kept for e2e/): schema defaulting
-    and validation, garbage collection of owned objects, server-side apply.
+    ``labelSelector`` and equality-based ``fieldSelector`` (dotted paths, e.g. ``metadata.name=x``,
+    ``involvedObject.name=p,type=Warning``) honoured on list and watch. ``inject_fault`` makes chosen
+    requests fail (as an overloaded or flaky API server does, or one that refuses some objects: a full
+    Service IP range, a quota) to exercise retries and their reporting; ``inject_delay`` makes chosen
+    requests answer late (a loaded API server), to open the races a real one shows. Still absent (kept
+    for e2e/): schema defaulting and validation, garbage collection of owned objects, server-side apply.
     """
 
     def __attrs_post_init__(self) -> None:
@@ -77,10 +99,24 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         self._rv = itertools.count(1000)
         self.writes: list[dict[str, Any]] = []
         self.faults: list[dict[str, Any]] = []
+        self.delays: list[dict[str, Any]] = []
 
-    def inject_fault(self, method: str, plural: str, times: int = 1, status: int = 500) -> None:
-        """Make the next ``times`` METHOD requests on ``plural`` fail with HTTP ``status`` (API error paths)."""
-        self.faults.append({"method": method.upper(), "plural": plural, "left": times, "status": status})
+    def inject_fault(self, method: str, plural: str, times: int = 1, status: int = 500,
+                     names: set[str] | None = None, message: str | None = None) -> None:
+        """Make the next ``times`` METHOD requests on ``plural`` (only for objects named in ``names``,
+        when given) fail with HTTP ``status`` and ``message`` (API error paths)."""
+        self.faults.append({"method": method.upper(), "plural": plural, "left": times, "status": status,
+                            "names": names, "message": message or f"injected by the test ({status})"})
+
+    def inject_delay(self, method: str, plural: str, seconds: float) -> None:
+        """Answer every METHOD request on ``plural`` (watches excepted) ``seconds`` late."""
+        self.delays.append({"method": method.upper(), "plural": plural, "seconds": seconds})
+
+    @staticmethod
+    def _target(request: Any) -> str | None:
+        if request.name:
+            return request.name
+        return ((request.data or {}).get("metadata") or {}).get("name") if isinstance(request.data, dict) else None
 
     def _stored(self, request: Any) -> dict[str, Any] | None:
         key = (request.resource, request.namespace, request.name)
@@ -89,12 +125,16 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
         return None
 
     async def _handle(self, request: Any) -> Any:
+        for delay in self.delays:
+            if request.resource is not None and request.method.value == delay["method"] \
+                    and request.resource.plural == delay["plural"] and request.action != kmock.action.WATCH:
+                await asyncio.sleep(delay["seconds"])
         for fault in self.faults:
             if fault["left"] > 0 and request.resource is not None and request.method.value == fault["method"] \
-                    and request.resource.plural == fault["plural"]:
+                    and request.resource.plural == fault["plural"] \
+                    and (fault["names"] is None or self._target(request) in fault["names"]):
                 fault["left"] -= 1
-                raise kmock.KubernetesError(status=fault["status"], reason="InjectedFault",
-                                            message=f"injected by the test ({fault['status']})")
+                raise kmock.KubernetesError(status=fault["status"], reason="InjectedFault", message=fault["message"])
         if request.resource is not None and request.method.value not in ("GET", "HEAD"):
             self.writes.append({"method": request.method.value, "resource": request.resource.plural,
                                 "namespace": request.namespace, "name": request.name,
@@ -131,19 +171,13 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: Any) -> Any:
         result = await super()._serve_list(request)
-        selector = request.params.get("labelSelector")
-        if selector:
-            result["items"] = [o for o in result["items"]
-                               if _match_selector(o.get("metadata", {}).get("labels") or {}, selector)]
+        result["items"] = [o for o in result["items"] if _selected(o, request.params or {})]
         return result
 
     async def _serve_watch(self, request: Any) -> Any:
-        selector = request.params.get("labelSelector")
         async for event in super()._serve_watch(request):
-            if selector and isinstance(event, dict):
-                labels = event.get("object", {}).get("metadata", {}).get("labels") or {}
-                if not _match_selector(labels, selector):
-                    continue
+            if isinstance(event, dict) and not _selected(event.get("object") or {}, request.params or {}):
+                continue
             yield event
 
 

@@ -187,3 +187,39 @@ async def test_scale_down_sets_ordered_costs_first_and_refreshes_them(api, emula
     assert d.direction == "up"
     assert "<replicas>" in _check_every_write(emulator.writes[before:])
     assert not [w for w in emulator.writes[before:] if w["resource"] == "pods"]
+
+
+async def test_terminating_pods_are_neither_capacity_nor_load_nor_given_costs(api, emulator, monkeypatch):
+    """Issue 34: a pod with metadata.deletionTimestamp (draining after a scale-down or a rollout) is
+    ignored by the autoscaler. Three idle Ready pods and one terminating pod that is still Ready and
+    still busy: the decision sees only the three (and scales down), and only they get a deletion cost.
+    Counting the terminating pod would make it capacity (4 Ready) and load (20 waiting requests: a
+    queue of 5 per replica, at target) — no scale-down — and give a dying pod a cost."""
+    scraped = {"svc-0": PodMetrics(0.05, 0.0, 0.0), "svc-1": PodMetrics(0.05, 0.0, 1.0),
+               "svc-2": PodMetrics(0.05, 0.0, 0.0), "svc-leaving": PodMetrics(0.99, 20.0, 8.0)}
+
+    async def scrape(targets, timeout):
+        return [ScrapeResult(t.name, scraped[t.name]) for t in targets]
+    monkeypatch.setattr(autoscaler, "scrape_all", scrape)
+    seen = []
+    real_decide = autoscaler.decide
+
+    def spy(policy, current, observed, history, now):
+        seen.append(sorted(o.name for o in observed))
+        return real_decide(policy, current, observed, history, now)
+    monkeypatch.setattr(autoscaler, "decide", spy)
+    obj = await _setup(api, ["svc-0", "svc-1", "svc-2"], [])
+    leaving = _pod("svc-leaving", True)
+    leaving["metadata"].update(deletionTimestamp="2026-12-01T00:00:00Z", finalizers=["example.com/drain"])
+    await api.create("v1", "pods", "default", leaving)
+    assert (await api.get("v1", "pods", "default", "svc-leaving"))["metadata"]["deletionTimestamp"]
+    api.info = dataclasses.replace(api.info, token=OPERATOR_TOKEN)
+    before = len(emulator.writes)
+
+    d = await tick(obj, AutoscalerState(clock=lambda: 1000.0), api, LOG)
+    assert seen == [["svc-0", "svc-1", "svc-2"]]
+    assert d.ready == 3 and d.readable == 3 and d.direction == "down" and d.desired_replicas == 1
+    assert (await api.get(AV, PL, "default", "svc"))["status"]["autoscaling"]["scrapedPods"] == 3
+    costs = await _costs(api)
+    assert costs == {"svc-0": "1", "svc-2": "2", "svc-1": "3", "svc-leaving": None}
+    assert "svc-leaving" not in _check_every_write(emulator.writes[before:])

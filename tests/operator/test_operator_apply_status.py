@@ -56,27 +56,76 @@ def test_controlled_by():
     assert not apply.controlled_by({"metadata": {}}, "u")
 
 
-def _dep(gen=1, observed=1, replicas=2, updated=2, ready=2, conditions=()):
+def _dep(gen=1, observed=1, replicas=2, updated=2, ready=2, available=None, conditions=()):
     return {"metadata": {"generation": gen}, "status": {"observedGeneration": observed, "replicas": replicas,
                                                         "updatedReplicas": updated, "readyReplicas": ready,
+                                                        "availableReplicas": ready if available is None else available,
                                                         "conditions": list(conditions)}}
 
 
 def test_rollout_states():
     assert st.rollout(None, 1)[:3] == (False, True, "Creating")
     assert st.rollout(_dep(gen=2, observed=1), 2)[:3] == (False, True, "RollingOut")
-    # a scale the controller has not observed yet (the autoscaler's, say): the pods still serve, Ready stays
-    assert st.rollout(_dep(gen=2, observed=1), 3, template_written=False)[:3] == (True, True, "Updating")
-    assert st.rollout(_dep(gen=2, observed=1, ready=0), 3, template_written=False)[:2] == (False, True)
+    # a scale the controller has not observed yet (the autoscaler's, say) while this generation is
+    # already serving: the pods still serve, Ready stays
+    assert st.rollout(_dep(gen=2, observed=1), 3, serving=True)[:3] == (True, True, "Updating")
+    assert st.rollout(_dep(gen=2, observed=1, ready=0), 3, serving=True)[:2] == (False, True)
     assert st.rollout(_dep(ready=0), 2)[:3] == (False, True, "WaitingForPods")
-    assert st.rollout(_dep(replicas=3, updated=3, ready=2), 3)[:3] == (True, True, "ScalingUp")
+    # a scale-up of a serving generation stays Ready; a new generation is Ready only when all pods are
+    assert st.rollout(_dep(replicas=3, updated=3, ready=2), 3, serving=True)[:3] == (True, True, "ScalingUp")
+    assert st.rollout(_dep(replicas=3, updated=3, ready=2), 3)[:3] == (False, True, "ScalingUp")
     assert st.rollout(_dep(replicas=2, updated=1, ready=1), 2)[:2] == (False, True)  # old pods still serving
+    assert st.rollout(_dep(replicas=2, updated=1, ready=2), 2, serving=True)[:2] == (False, True)
     # all new pods ready, but a pod of the old template is still there (terminating, or maxSurge): not done yet
     assert st.rollout(_dep(replicas=3, updated=2, ready=2), 2)[:3] == (False, True, "RollingOut")
+    assert st.rollout(_dep(available=1), 2)[:2] == (False, True)  # ready but not yet available
     assert st.rollout(_dep(), 2)[:3] == (True, False, "Available")
     assert st.rollout(_dep(replicas=0, updated=0, ready=0), 0)[:3] == (False, False, "ScaledToZero")  # no pod: not Ready
     stuck = _dep(ready=0, conditions=[{"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "m"}])
     assert st.rollout(stuck, 2)[:3] == (False, False, "ProgressDeadlineExceeded")
+    # a stuck rollout of a new generation is not Ready although old pods are; a serving one stays Ready
+    stuck = _dep(gen=3, observed=3, replicas=3, updated=1, ready=2,
+                 conditions=[{"type": "Progressing", "reason": "ProgressDeadlineExceeded", "message": "m"}])
+    assert st.rollout(stuck, 2)[:2] == (False, False)
+    assert st.rollout(_dep(replicas=3, updated=3, ready=2, conditions=stuck["status"]["conditions"]), 3,
+                      serving=True)[:2] == (True, False)
+
+
+def test_ready_for_a_new_generation_waits_for_the_deployment_to_roll_it_out():
+    """Must-show 1 of issue 34, pure part: whatever the previous status said, a new generation (or a
+    pass that wrote the template) is Ready only once the Deployment reports the rollout done."""
+    obj = {"metadata": {"generation": 1}, "status": {}}
+    obj["status"] = st.compute_status(obj, _dep(), 2, "u", "m", "s", "t1", False, template_written=False)
+    assert st.get_condition(obj["status"], "Ready")["status"] == "True"
+    obj["metadata"]["generation"] = 2  # a spec change; the Deployment still reports the old rollout
+    for dep in (_dep(gen=2, observed=1), _dep(gen=2, observed=2, replicas=2, updated=0),
+                _dep(gen=2, observed=2, replicas=2, updated=1, ready=1),
+                _dep(gen=2, observed=2, replicas=2, updated=2, ready=1),
+                _dep(gen=2, observed=2, available=1)):
+        for written in (True, False):
+            new = st.compute_status(obj, dep, 2, "u", "m", "s", "t2", False, template_written=written)
+            assert st.get_condition(new, "Ready")["status"] == "False", (dep, written)
+    done = st.compute_status(obj, _dep(gen=2, observed=2), 2, "u", "m", "s", "t3", False, template_written=False)
+    ready = st.get_condition(done, "Ready")
+    assert (ready["status"], ready["observedGeneration"], ready["reason"]) == ("True", 2, "Available")
+
+
+def test_replica_failure_is_degraded_with_the_message():
+    quota = ('pods "m-7d9f-abcde" is forbidden: exceeded quota: gpu-quota, requested: requests.nvidia.com/gpu=4, '
+             'used: requests.nvidia.com/gpu=4, limited: requests.nvidia.com/gpu=4')
+    dep = _dep(replicas=0, updated=0, ready=0,
+               conditions=[{"type": "ReplicaFailure", "status": "True", "reason": "FailedCreate", "message": quota}])
+    new = st.compute_status({"metadata": {"generation": 1}}, dep, 2, "u", "m", "s", "t", False)
+    d = st.get_condition(new, "Degraded")
+    assert (d["status"], d["reason"], d["message"]) == ("True", "FailedCreate", quota)
+    assert st.get_condition(new, "Ready")["status"] == "False"
+    # a child write refused and a failing pod come first; a cleared ReplicaFailure clears Degraded
+    other = st.compute_status({"metadata": {"generation": 1}}, dep, 2, "u", "m", "s", "t", False,
+                              problem=("ChildCreateFailed", "create of Service refused"))
+    assert st.get_condition(other, "Degraded")["reason"] == "ChildCreateFailed"
+    dep["status"]["conditions"][0]["status"] = "False"
+    assert st.get_condition(st.compute_status({"metadata": {"generation": 1}}, dep, 2, "u", "m", "s", "t", False),
+                            "Degraded")["status"] == "False"
 
 
 def test_conditions_keep_transition_time_and_foreign_types():

@@ -38,7 +38,7 @@ async def test_crud_errors_and_label_selectors(api):
 
 
 async def test_unreachable_server_is_an_api_error():
-    client = kube.KubeClient(kopf.ConnectionInfo(server="http://127.0.0.1:9", token="t"), timeout_s=2)
+    client = kube.KubeClient(kopf.ConnectionInfo(server="http://127.0.0.1:9", token="t"), connect_timeout_s=2)
     try:
         with pytest.raises(kube.ApiError) as err:
             await client.get("v1", "pods", "ns", "a")
@@ -111,3 +111,58 @@ async def test_401_rereads_credentials_once(unused_tcp_port, tmp_path, monkeypat
         await client.close()
         await runner.cleanup()
         kube.set_credentials(None)
+
+
+async def test_a_burst_queues_for_the_pool_without_timing_out(unused_tcp_port):
+    """Issue 34: during a burst of reconciles, requests waiting for a pooled connection must not time
+    out inside the client. 12 requests of 0.2 s each through 2 connections take 1.2 s; each waits up
+    to 1 s for a connection, longer than the read timeout (0.5 s), and all succeed. At most 2 are in
+    flight at once (the pool bounds the load on the API server)."""
+    import asyncio
+
+    from aiohttp import web
+
+    in_flight, peak = 0, 0
+
+    async def slow(request):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.2)
+        in_flight -= 1
+        return web.json_response({"kind": "Pod", "metadata": {"name": request.path.rsplit("/", 1)[-1]}})
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", unused_tcp_port).start()
+    client = kube.KubeClient(kopf.ConnectionInfo(server=f"http://127.0.0.1:{unused_tcp_port}", token="t"),
+                             pool_size=2, read_timeout_s=0.5)
+    try:
+        got = await asyncio.gather(*(client.get("v1", "pods", "ns", f"p{i}") for i in range(12)))
+        assert [g["metadata"]["name"] for g in got] == [f"p{i}" for i in range(12)]
+        assert peak == 2
+        # the read timeout still bounds an answer that never comes
+        slow_client = kube.KubeClient(kopf.ConnectionInfo(server=f"http://127.0.0.1:{unused_tcp_port}", token="t"),
+                                      read_timeout_s=0.05)
+        with pytest.raises(kube.ApiError) as err:
+            await slow_client.get("v1", "pods", "ns", "late")
+        assert err.value.status == 503
+        await slow_client.close()
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_field_selectors_reach_the_server(api):
+    await api.create("v1", "events", "ns", {"apiVersion": "v1", "kind": "Event", "type": "Warning",
+                                           "metadata": {"name": "e1", "namespace": "ns"}, "reason": "FailedMount",
+                                           "involvedObject": {"kind": "Pod", "name": "a", "namespace": "ns"}})
+    await api.create("v1", "events", "ns", {"apiVersion": "v1", "kind": "Event", "type": "Normal",
+                                           "metadata": {"name": "e2", "namespace": "ns"}, "reason": "Pulled",
+                                           "involvedObject": {"kind": "Pod", "name": "a", "namespace": "ns"}})
+    got = await api.list("v1", "events", "ns", field_selector="involvedObject.name=a,type=Warning")
+    assert [e["metadata"]["name"] for e in got] == ["e1"]
+    assert [e["metadata"]["name"] for e in await api.list("v1", "events", "ns", field_selector="type!=Warning")] \
+        == ["e2"]

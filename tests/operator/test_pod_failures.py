@@ -159,11 +159,31 @@ def test_compute_status_reports_the_pod_problem_and_clears_it():
     obj = {"metadata": {"name": "m", "generation": 1}, "status": {}}
     dep = {"metadata": {"generation": 1}, "status": {"observedGeneration": 1, "replicas": 1, "updatedReplicas": 1}}
     problem = pods.pod_problem([pod("m-1", "m", containers=CRASH)])
-    bad = st.compute_status(obj, dep, 1, "u", "m", "s", "t1", False, pod_problem=problem)
+    bad = st.compute_status(obj, dep, 1, "u", "m", "s", "t1", False, problem=problem)
     d = st.get_condition(bad, st.DEGRADED)
     assert (d["status"], d["reason"]) == ("True", "CrashLoopBackOff") and "not supported yet" in d["message"]
     assert st.get_condition(bad, st.READY)["reason"] == "WaitingForPods"  # Ready keeps the rollout's view
     obj["status"] = bad
-    good = st.compute_status(obj, dep, 1, "u", "m", "s", "t2", False, pod_problem=None)
+    good = st.compute_status(obj, dep, 1, "u", "m", "s", "t2", False, problem=None)
     d = st.get_condition(good, st.DEGRADED)
     assert (d["status"], d["reason"], d["lastTransitionTime"]) == ("False", "ReconcileSucceeded", "t2")
+
+
+def test_volume_events_count_only_for_scheduled_pods_still_pending():
+    def event(pod_name: str, reason: str = "FailedMount") -> dict:
+        return {"type": "Warning", "reason": reason, "message": "MountVolume.SetUp failed for volume \"cache\"",
+                "involvedObject": {"kind": "Pod", "name": pod_name}}
+
+    waiting = pod("m-1", "m", phase="Pending")  # scheduled, containers not created yet
+    started = pod("m-2", "m", containers=RUNNING)
+    unscheduled = pod("m-3", "m", scheduled=GPU, phase="Pending")
+    assert pods.starting_pods([waiting, started, unscheduled]) == ["m-1"]
+    assert pods.event_selector("m-1") == "involvedObject.kind=Pod,involvedObject.name=m-1,type=Warning"
+    assert pods.pod_problem([waiting], [event("m-1")]) == (
+        "FailedMount", 'pod m-1: MountVolume.SetUp failed for volume "cache"')
+    # an old Event of a pod that started since, or of a pod that is not ours, says nothing
+    assert pods.pod_problem([started], [event("m-2")]) is None
+    assert pods.pod_problem([waiting], [event("other-1"), event("m-1", "BackOff")]) is None
+    # a crash-looping pod is more specific than another pod's volume trouble
+    assert pods.pod_problem([waiting, pod("m-4", "m", containers=CRASH)],
+                            [event("m-1", "FailedAttachVolume")])[0] == "CrashLoopBackOff"

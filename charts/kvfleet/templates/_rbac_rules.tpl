@@ -38,7 +38,8 @@ Rules on namespaced resources: in the ClusterRole (all namespaces) or a Role per
   report failing pods; watch, so that a pod failure reaches the status at once; patch, for the
   controller.kubernetes.io/pod-deletion-cost annotation set before a scale-down (the only pod
   writes: the ReplicaSet then removes the idlest pods; pod-patch-policy.yaml denies any other change).
-- events: the autoscaler's Kubernetes Events on InferenceServices (scale decisions).
+- events: create: the autoscaler's Kubernetes Events on InferenceServices (scale decisions); list/watch:
+  Warning Events about pods (FailedMount, FailedAttachVolume) to report why a serving pod does not start.
 - kopfpeerings (named namespaces, peering on): as clusterkopfpeerings above, per namespace.
 Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not the operator.
 */ -}}
@@ -66,7 +67,7 @@ Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not 
   verbs: ["list", "watch", "patch"]
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list", "watch"]
 {{- if and .Values.peering.enabled (not (include "kvfleet.clusterWide" .)) }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
