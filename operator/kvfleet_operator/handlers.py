@@ -51,7 +51,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, kube, metrics, peering, pods, render, strict
+from . import api, apply, kube, memory, metrics, peering, pods, render, strict
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -360,6 +360,13 @@ def _controller(body: kopf.Body) -> tuple[str | None, str | None]:
         if ref.get("controller") and ref.get("kind") == api.KIND and ref.get("apiVersion", "").startswith(api.GROUP):
             return meta.get("namespace"), ref.get("name")
     return meta.get("namespace"), None
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL, when=lambda event, **_: event.get("type") == "DELETED")
+async def deleted(**_: Any) -> None:
+    """An InferenceService is gone (its children follow by garbage collection): once a burst of deletions
+    is over, give the freed memory back to the operating system (``memory``)."""
+    memory.trim_soon()
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)
