@@ -1,7 +1,7 @@
 """kopf handlers: thin glue around read -> render -> apply -> status.
 
 Triggers: an InferenceService is created, its spec/metadata changes, or the operator (re)starts
-(resume); an owned Deployment/Service/PodDisruptionBudget changes or is deleted (the event names
+(resume); an owned Deployment/Service/PodDisruptionBudget/InferencePool/HTTPRoute changes or is deleted (the event names
 its controller InferenceService, which is then reconciled); a serving pod starts or stops failing
 (its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``). One pass (``reconcile``):
 
@@ -13,7 +13,8 @@ its controller InferenceService, which is then reconciled); a serving pod starts
    not create; orphans it did create (``--cascade=orphan``) are adopted;
 3. create or three-way merge-patch each child (``apply``), delete the PDB when no longer wanted; a
    child the API server refuses as invalid (422, e.g. a malformed affinity or toleration) is
-   Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec;
+   Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec; then the
+   routing objects of spec.routing (``routing_sync``: InferencePool, endpoint picker, HTTPRoute);
 4. list the serving pods: one that crash-loops, was OOM-killed, cannot pull its image or cannot be
    scheduled makes Degraded=True with the reason and the container's termination message;
 5. write the status subresource only when it changed.
@@ -33,7 +34,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, kube, metrics, peering, pods, render
+from . import api, apply, kube, metrics, peering, pods, render, routing, routing_sync
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -44,6 +45,7 @@ CHILDREN = (("deployment", "apps/v1", "deployments"), ("service", "v1", "service
 CHILD_EVENT_ATTEMPTS = 6  # backoff 1+2+4+8+16+32 s before giving up on a child event
 _locks: dict[tuple[int, str, str], asyncio.Lock] = {}
 SERVING_DEFAULTS = render.ServingDefaults.from_env(dict(os.environ))  # the chart's servingImage
+ROUTING_DEFAULTS = routing.RoutingDefaults.from_env(dict(os.environ))  # the chart's routing.endpointPickerImage
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -57,7 +59,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     # watch only the operator's own children (server-side filter; big clusters have many Deployments)
     managed = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())
     for selector in (("apps", "v1", "deployments"), ("v1", "services"), ("policy", "v1", "poddisruptionbudgets"),
-                     ("v1", "pods")):
+                     ("v1", "pods"), ("inference.networking.k8s.io", "v1", "inferencepools"),
+                     ("gateway.networking.k8s.io", "v1", "httproutes")):
         settings.watching.label_selectors[selector] = managed
 
 
@@ -128,7 +131,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     if obj["metadata"].get("deletionTimestamp"):
         return {}  # being deleted: the garbage collector removes the children, nothing to reconcile
     spec = render.parse_spec(obj)
-    children = render.render(obj, defaults=SERVING_DEFAULTS)  # surfaces Unrealisable before any request
+    children = render.render(obj, defaults=SERVING_DEFAULTS, routing_defaults=ROUTING_DEFAULTS)  # Unrealisable first
     uid = obj["metadata"].get("uid")
     live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
     live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \
@@ -136,7 +139,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     replicas = render.desired_replicas(spec, live_replicas, (obj.get("status") or {}).get("desiredReplicas"))
     children = render.with_replicas(children, replicas)
     desired = {"deployment": children.deployment, "service": children.service, "pdb": children.pdb}
-    ours = {kind: body is not None and (apply.controlled_by(body, uid) or _adoptable(body, name))
+    ours = {kind: body is not None and (apply.controlled_by(body, uid) or apply.adoptable(body, render.OWNER_LABEL, name))
             for kind, body in live.items()}
     for kind, body in live.items():
         if body is not None and desired[kind] is not None and not ours[kind]:
@@ -175,6 +178,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             metrics.CHILD_WRITES.labels(kind=kind, action=action).inc()
         if kind == "deployment" and body is not None:
             template_written = action == "create" or "template" in (body.get("spec") or {})
+    routed = await routing_sync.sync(client, obj, spec, children.routing, logger)
     selector = render.selector_string(name)
     serving_pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector)
                     if all((p.get("metadata", {}).get("labels") or {}).get(k) == v
@@ -183,6 +187,8 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                             render.service_url(name, namespace, spec.service.port), spec.served_model_name,
                             selector, st.now_rfc3339(), spec.autoscaling.enabled,
                             template_written, pods.pod_problem(serving_pods))
+    if routed is not None or (obj.get("status") or {}).get("routing") is not None:
+        new["routing"] = routed
     return await _write_status(client, obj, new)
 
 
@@ -192,14 +198,6 @@ async def _being_deleted(client: kube.KubeClient, namespace: str, name: str) -> 
     recreating children the garbage collector is removing. Creates are rare, so is this GET."""
     fresh = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
     return fresh is None or bool(fresh.get("metadata", {}).get("deletionTimestamp"))
-
-
-def _adoptable(child: dict[str, Any], name: str) -> bool:
-    """An orphan left by `kubectl delete --cascade=orphan` of an InferenceService of the same name:
-    labelled as ours and without any controller. The apply then sets our ownerReference (adoption)."""
-    meta = child.get("metadata") or {}
-    has_controller = any(ref.get("controller") for ref in meta.get("ownerReferences") or [])
-    return not has_controller and (meta.get("labels") or {}).get(render.OWNER_LABEL) == name
 
 
 async def _write_status(client: kube.KubeClient, obj: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -301,4 +299,16 @@ async def service_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> No
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_FILTER)
 async def pdb_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """An owned PodDisruptionBudget changed or was deleted: reconcile its owner."""
+    await _child_event(body, logger)
+
+
+@kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools", labels=CHILD_FILTER)
+async def inference_pool_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """An owned InferencePool changed or was deleted (kopf watches it once its CRD exists): reconcile its owner."""
+    await _child_event(body, logger)
+
+
+@kopf.on.event("gateway.networking.k8s.io", "v1", "httproutes", labels=CHILD_FILTER)
+async def http_route_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """An owned HTTPRoute changed or was deleted: reconcile its owner."""
     await _child_event(body, logger)

@@ -22,7 +22,7 @@ import pydantic
 from kvfleet_server.cli import FlagError, parse_flags, threads_for_cpus
 from kvfleet_server.errors import UnsupportedFeatureError
 
-from . import api
+from . import api, routing
 from .apply import quantity
 
 MANAGED_BY = "kvfleet-operator"
@@ -274,10 +274,12 @@ def check_server_args(args: list[str]) -> None:
 # ---------------------------------------------------------------------------------------- render
 @dataclass(frozen=True)
 class Children:
-    """The rendered children of one InferenceService (pdb is None when not wanted)."""
+    """The rendered children of one InferenceService (pdb is None when not wanted; routing is None without
+    spec.routing.inferencePool, see routing.py)."""
     deployment: dict[str, Any]
     service: dict[str, Any]
     pdb: dict[str, Any] | None
+    routing: routing.RoutingChildren | None = None
 
 
 def _meta(obj: dict[str, Any], kind_labels: dict[str, str]) -> dict[str, Any]:
@@ -296,12 +298,13 @@ def _security_context() -> dict[str, Any]:
 
 
 def render(obj: dict[str, Any], replicas: int | None = None,
-           defaults: ServingDefaults = ServingDefaults()) -> Children:
+           defaults: ServingDefaults = ServingDefaults(),
+           routing_defaults: routing.RoutingDefaults = routing.RoutingDefaults()) -> Children:
     """Render the children of InferenceService ``obj``.
 
     replicas: the Deployment's replica count (see ``desired_replicas``); None means
     ``desired_replicas(spec, None, status.desiredReplicas)``. defaults: the serving image and pull
-    policy for a spec that sets none. Raises Unrealisable."""
+    policy for a spec that sets none; routing_defaults: the endpoint picker image. Raises Unrealisable."""
     spec = parse_spec(obj)
     name = obj["metadata"]["name"]
     if replicas is None:
@@ -314,7 +317,7 @@ def render(obj: dict[str, Any], replicas: int | None = None,
         if sp is not None and sp.draft_model else None
     gpus = spec.gpus
     e = spec.engine
-    args = server_args(spec, model_path, draft_path)
+    args = server_args(spec, model_path, draft_path) + routing.server_args(spec)
     check_server_args(args)
     image, pull_policy = e.image or defaults.image, e.image_pull_policy or defaults.pull_policy
 
@@ -322,6 +325,7 @@ def render(obj: dict[str, Any], replicas: int | None = None,
     env_names = {v["name"] for v in env}
     hf_home = f"{MODEL_ROOT}/.hf-home" if mounts.downloads else "/tmp/.hf-home"
     env += [{"name": k, "value": v} for k, v in (("HOME", "/tmp"), ("HF_HOME", hf_home)) if k not in env_names]
+    env += routing.server_env(spec)
     volumes = [{"name": "tmp", "emptyDir": {}}] + list(mounts.volumes.values())
     volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}] + list(mounts.mounts.values())
     if e.tensor_parallel_size > 1:  # NCCL needs a large /dev/shm between the TP workers
@@ -345,7 +349,8 @@ def render(obj: dict[str, Any], replicas: int | None = None,
         "imagePullPolicy": pull_policy,
         "command": ["kvfleet-server"],
         "args": args,
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": spec.service.port, "protocol": "TCP"}],
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": spec.service.port, "protocol": "TCP"},
+                  *routing.server_ports(spec)],
         "env": env,
         "resources": resources,
         "volumeMounts": volume_mounts,
@@ -437,4 +442,6 @@ def render(obj: dict[str, Any], replicas: int | None = None,
             "metadata": _meta(obj, labels),
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)}},
         }
-    return Children(deployment=deployment, service=service, pdb=pdb)
+    routed = routing.render(obj, spec, routing_defaults, labels=labels, selector=selector_labels(name),
+                            owner=owner_reference(obj))
+    return Children(deployment=deployment, service=service, pdb=pdb, routing=routed)

@@ -302,20 +302,21 @@ def test_helper_whose_resource_cannot_be_resolved_is_an_error():
             _analyze(source)
 
 
-def test_a_hidden_configmaps_call_fails_the_chart_check(renders):
-    """The mutation that used to pass: a helper call needing configmaps added to the operator's code."""
+def test_a_hidden_limitranges_call_fails_the_chart_check(renders):
+    """The mutation that used to pass: a helper call needing a resource nothing grants (limitranges)
+    added to the operator's code."""
     mutated = (PACKAGE / "handlers.py").read_text() + textwrap.dedent("""
 
         async def _read_any(c, av, plural, ns, name):
             return await c.get(av, plural, ns, name)
 
         async def _settings(ns):
-            return await _read_any(kube.get_client(), "v1", "configmaps", ns, "kvfleet-settings")
+            return await _read_any(kube.get_client(), "v1", "limitranges", ns, "kvfleet-settings")
     """)
     reqs = [r for r in ra.analyze_package(PACKAGE) if not r.source.startswith("kvfleet_operator/handlers.py")]
     reqs += ra.analyze_source(mutated, "kvfleet_operator.handlers", filename="kvfleet_operator/handlers.py")
     missing, _ = ra.check(renders["all-namespaces+peering (default)"], reqs)
-    assert any("configmaps" in m and "get" in m for m in missing), missing
+    assert any("limitranges" in m and "get" in m for m in missing), missing
 
 
 def test_http_clients_and_dict_get_are_not_api_calls():
