@@ -187,8 +187,9 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                             render.service_url(name, namespace, spec.service.port), spec.served_model_name,
                             selector, st.now_rfc3339(), spec.autoscaling.enabled,
                             template_written, pods.pod_problem(serving_pods))
-    if routed is not None or (obj.get("status") or {}).get("routing") is not None:
-        new["routing"] = routed
+    old_routing = (obj.get("status") or {}).get("routing")
+    if routed is not None or old_routing is not None:
+        new["routing"] = routing_sync.status_value(old_routing, routed)
     return await _write_status(client, obj, new)
 
 

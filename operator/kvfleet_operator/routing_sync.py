@@ -35,7 +35,7 @@ async def check_prerequisites(client: kube.KubeClient, pool: Any, namespace: str
         raise render.Unrealisable(
             "InferencePoolCRDMissing",
             f"spec.routing.inferencePool: the API server does not serve inferencepools.{routing.POOL_API_VERSION}: "
-            f"install the Gateway API Inference Extension CRDs (chart value routing.installCRDs, or "
+            f"install the Gateway API Inference Extension CRDs (chart value routing.installInferencePoolCRD, or "
             f"docs/routing.md)", retryable=True)
     gw = pool.gateway
     if gw is None:
@@ -69,6 +69,14 @@ def routing_status(spec: Any, name: str, namespace: str) -> dict[str, Any]:
     if pool.gateway is not None:
         out |= {"httpRoute": name, "gateway": f"{routing.gateway_namespace(pool, namespace)}/{pool.gateway.name}"}
     return out
+
+
+def status_value(old: dict[str, Any] | None, new: dict[str, Any] | None) -> dict[str, Any] | None:
+    """status.routing as the status merge patch must carry it: ``new``, with the keys of ``old`` it no longer
+    has set to null (a merge patch merges nested objects; only a null removes a key)."""
+    if new is None or not old:
+        return new
+    return {**{k: None for k in old if k not in new}, **new}
 
 
 async def sync(client: kube.KubeClient, obj: dict[str, Any], spec: Any, children: routing.RoutingChildren | None,
