@@ -268,8 +268,9 @@ def test_a_stalled_subscriber_never_slows_the_step(publishing):
 
 
 def test_server_publishes_and_exports_what_the_endpoint_picker_reads(tiny_llama_dir, tmp_path):
-    """A real kvfleet-server process: --kv-events-config wired to the engine, vllm:cache_config_info with
-    block_size and num_gpu_blocks, the drop counter exported; a taken port stops the server with a clear error."""
+    """A real kvfleet-server process: --kv-events-config wired to the engine, /v1/completions/render giving the
+    token ids BlockStored then reports, vllm:cache_config_info with block_size and num_gpu_blocks, the drop
+    counter exported; a taken port stops the server with a clear error."""
     from server_fixtures import running_server, scrape, start_server
 
     port = free_port()
@@ -280,16 +281,29 @@ def test_server_publishes_and_exports_what_the_endpoint_picker_reads(tiny_llama_
     with running_server(args, str(tmp_path / "server.log")) as srv:
         sub = Subscriber(port)
         try:
-            prompt = list(range(1000, 1040))  # 40 tokens: 2 full blocks of 16
             import httpx
 
-            r = httpx.post(srv.url + "/v1/completions", timeout=60,
-                           json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+            # what llm-d's token-producer asks (/v1/completions/render) is what the server caches: the
+            # rendered token ids are the ones BlockStored reports after the request runs
+            body = {"model": "tiny", "prompt": "the quick brown fox jumps over the lazy dog " * 6, "max_tokens": 1,
+                    "temperature": 0}
+            rendered = httpx.post(srv.url + "/v1/completions/render", json=body, timeout=30)
+            assert rendered.status_code == 200, rendered.text
+            (gen,) = rendered.json()
+            assert gen["model"] == "tiny" and gen["request_id"].startswith("cmpl-")
+            tokens = gen["token_ids"]
+            assert tokens == httpx.post(srv.url + "/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
+            r = httpx.post(srv.url + "/v1/completions", timeout=60, json=body)
             assert r.status_code == 200, r.text
             (topic, seq, batch), = sub.receive(1, timeout=15)
             assert (topic, seq) == ("kv@p@tiny", 0)
             (stored,) = batch.events
-            assert stored.block_size == 16 and stored.token_ids == prompt[:32] and len(stored.block_hashes) == 2
+            full = len(tokens) // 16
+            assert stored.block_size == 16 and stored.token_ids == tokens[: full * 16] and len(stored.block_hashes) == full
+            chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
+            rendered = httpx.post(srv.url + "/v1/chat/completions/render", json=chat, timeout=30).json()
+            assert rendered["token_ids"] == httpx.post(srv.url + "/tokenize", json=chat).json()["tokens"]
+            assert httpx.post(srv.url + "/v1/chat/completions/render", json={**chat, "model": "nope"}).status_code == 404
         finally:
             sub.close()
         m = scrape(srv.url)
