@@ -11,8 +11,8 @@ Requirements come from three sources:
    …) and kopf's event posting (``kopf.event/info/warn/exception``).
 3. Roles the operator writes (``granted_rules``): Kubernetes lets a Role grant only permissions its
    creator holds (RBAC privilege-escalation prevention; the chart grants no ``escalate`` or ``bind``), so
-   every rule of a module-level constant holding RBAC rules (a list of dicts with ``apiGroups``,
-   ``resources``, ``verbs``, e.g. ``routing.EPP_RULES``) is a requirement of the operator too.
+   every rule of a module-level literal list of RBAC rules (dicts with ``apiGroups``, ``resources``,
+   ``verbs``, e.g. ``routing.EPP_RULES``) is a requirement of the operator too.
 4. kopf itself (``framework_requirements``), read from kopf's source: it lists/watches CRDs to
    discover resources (reactor/observation.py), lists/watches namespaces when it serves named
    namespaces rather than the whole cluster, keeps peering objects alive with patches
@@ -521,18 +521,19 @@ def _is_rbac_rules(value: Any) -> bool:
 
 
 def granted_rules(path: Path, module_name: str, filename: str = "<src>") -> list[Requirement]:
-    """Every rule of the module's module-level RBAC rule lists (what the Roles it writes grant), as
-    namespaced requirements of the operator: it may only grant what it holds."""
+    """Every rule of the module's module-level RBAC rule lists (literal lists of rule dicts: what the Roles it
+    writes grant), as namespaced requirements of the operator: it may only grant what it holds."""
     tree = ast.parse(path.read_text(), filename=filename)
-    names = [t.id for stmt in tree.body if isinstance(stmt, (ast.Assign, ast.AnnAssign))
-             for t in (stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]) if isinstance(t, ast.Name)]
-    if not names:
-        return []
-    module = importlib.import_module(module_name)
     reqs = []
-    for name in names:
-        value = getattr(module, name, None)
+    for stmt in tree.body:
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or stmt.value is None:
+            continue
+        try:
+            value = ast.literal_eval(stmt.value)
+        except ValueError:
+            continue  # not a literal: not a rule list
         if _is_rbac_rules(value):
+            name = ast.unparse(stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target)
             reqs += [Requirement(g, res, v, "namespace", f"{filename}: {name} (granted by a Role it writes)")
                      for rule in value for g in rule["apiGroups"] for res in rule["resources"] for v in rule["verbs"]]
     return reqs

@@ -60,6 +60,18 @@ def test_analysis_finds_the_operators_calls(code_requirements):
     assert "kvfleet_operator/handlers.py" in every_source
 
 
+def test_what_a_role_the_operator_writes_grants_is_required(code_requirements):
+    """The endpoint picker's Role (routing.EPP_RULES): Kubernetes refuses a Role granting more than its writer
+    holds, so each of its rules is a requirement of the operator (and the chart grants it)."""
+    from kvfleet_operator import routing
+
+    granted = [r for r in code_requirements if "EPP_RULES" in r.source]
+    assert {(r.group, r.resource, r.verb) for r in granted} == {
+        (g, res, v) for rule in routing.EPP_RULES for g in rule["apiGroups"] for res in rule["resources"]
+        for v in rule["verbs"]}
+    assert _has(granted, "llm-d.ai", "inferenceobjectives", "watch") and _has(granted, "", "pods", "get")
+
+
 def test_analysis_covers_every_module_that_talks_to_the_api():
     """Each module that uses the client, declares kopf handlers or imports the kubernetes package
     yields requirements: a module whose calls the analysis cannot see would fail here."""
