@@ -349,6 +349,71 @@ class LocalObjectReference(_Model):
     name: str = Field(description="Object name.", min_length=1, max_length=253)
 
 
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class GatewayReference(_Model):
+    """The Gateway (gateway.networking.k8s.io/v1) whose listener routes to the InferencePool."""
+    name: str = Field(min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN, description="Gateway name.")
+    namespace: str | None = Field(
+        default=None, min_length=1, max_length=63, pattern=DNS1123_LABEL,
+        description="Gateway namespace. Default: the InferenceService's (another namespace's listener must allow "
+                    "routes from this one: allowedRoutes.namespaces).")
+    section_name: str | None = Field(default=None, min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN,
+                                     description="Listener of the Gateway (HTTPRoute parentRefs[].sectionName). "
+                                                 "Unset: every listener that allows the route.")
+
+
+class EndpointPickerResources(_Model):
+    """Compute requests of the endpoint picker (its memory limit is twice the memory request)."""
+    cpu: int | str = Field(default="500m", json_schema_extra={"x-kubernetes-int-or-string": True,
+                                                              "pattern": QUANTITY_PATTERN},
+                           description="CPU request (upstream sizes 4 CPUs for high request rates).")
+    memory: int | str = Field(default="512Mi", json_schema_extra={"x-kubernetes-int-or-string": True,
+                                                                 "pattern": QUANTITY_PATTERN},
+                              description="Memory request; the limit is twice it (upstream: 8Gi, limit 16Gi).")
+
+    @model_validator(mode="after")
+    def _quantities(self) -> "EndpointPickerResources":
+        _check_quantity(self.cpu, "spec.routing.inferencePool.endpointPicker.resources.cpu")
+        _check_quantity(self.memory, "spec.routing.inferencePool.endpointPicker.resources.memory")
+        return self
+
+
+class EndpointPicker(_Model):
+    """The endpoint picker (EPP) the Gateway asks which replica takes each request (docs/routing.md)."""
+    prefix_cache: Literal["approximate", "precise"] = Field(
+        default="approximate",
+        description="Prefix-cache scoring: approximate (the EPP indexes the prompts it routed, blocks of "
+                    "max(64, engine.blockSize) tokens) or precise (the EPP subscribes to every replica's KV events, "
+                    "--kv-events-config on port 5557, and scores the blocks each replica actually holds; needs "
+                    "engine.enablePrefixCaching).")
+    failure_mode: Literal["FailOpen", "FailClose"] = Field(
+        default="FailOpen", description="What the Gateway does when the picker does not answer: FailOpen sends the "
+                                        "request to any ready replica, FailClose refuses it (InferencePool "
+                                        "endpointPickerRef.failureMode).")
+    image: str | None = Field(default=None, min_length=1, max_length=512,
+                              description="Endpoint picker image. Unset: the operator's (the chart's "
+                                          "routing.endpointPickerImage, a pinned llm-d-router release).")
+    resources: EndpointPickerResources = Field(default_factory=EndpointPickerResources,
+                                               description="Requests of the endpoint picker container.")
+
+
+class InferencePoolRouting(_Model):
+    """Route through a Gateway API Inference Extension InferencePool (inference.networking.k8s.io/v1)."""
+    gateway: GatewayReference | None = Field(
+        default=None, description="Gateway to attach an HTTPRoute to (path prefix /, every request to the pool). "
+                                  "Unset: no HTTPRoute; route to the InferencePool yourself.")
+    endpoint_picker: EndpointPicker = Field(default_factory=EndpointPicker, description="The endpoint picker.")
+
+
+class Routing(_Model):
+    """Cache-aware routing across replicas (docs/routing.md). Unset: the Service spreads requests."""
+    inference_pool: InferencePoolRouting | None = Field(
+        default=None, description="Render an InferencePool, its endpoint picker and (with a gateway) an HTTPRoute.")
+
+
 class InferenceServiceSpec(_Model):
     """Desired state of an InferenceService."""
     model: ModelSource = Field(description="The model to serve.")
@@ -369,6 +434,7 @@ class InferenceServiceSpec(_Model):
         default=None, min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
         description="ServiceAccount of the serving pods (e.g. for cloud workload identity to a model bucket). "
                     "Unset: the namespace's default. The pods still mount no API token.")
+    routing: Routing = Field(default_factory=Routing, description="Cache-aware routing across replicas.")
 
     @model_validator(mode="after")
     def _rules(self) -> "InferenceServiceSpec":
@@ -379,6 +445,14 @@ class InferenceServiceSpec(_Model):
         if self.engine.quantization == "gguf" and not (uri.endswith(".gguf") or uri == "bundled://smollm2"):
             raise ValueError(f"spec.engine.quantization gguf needs a .gguf model file (or bundled://smollm2), "
                              f"got spec.model.uri {uri!r}")
+        pool = self.routing.inference_pool
+        if pool is not None and pool.endpoint_picker.prefix_cache == "precise":
+            if not self.engine.enable_prefix_caching:
+                raise ValueError("spec.routing.inferencePool.endpointPicker.prefixCache precise needs "
+                                 "spec.engine.enablePrefixCaching (no cached block, no KV event)")
+            if any(a.split("=", 1)[0] == "--kv-events-config" for a in self.engine.extra_args):
+                raise ValueError("spec.engine.extraArgs: --kv-events-config is rendered by "
+                                 "spec.routing.inferencePool.endpointPicker.prefixCache precise")
         return self
 
     @property
@@ -406,6 +480,13 @@ ROOT_RULES = [
      "reason": "FieldValueInvalid"},  # no fieldPath: the CRD schema does not declare metadata's fields
 ]
 SPEC_RULES = [
+    {"rule": "!has(self.routing) || !has(self.routing.inferencePool) || "
+             "!has(self.routing.inferencePool.endpointPicker) || "
+             "!has(self.routing.inferencePool.endpointPicker.prefixCache) || "
+             "self.routing.inferencePool.endpointPicker.prefixCache != 'precise' || "
+             "!has(self.engine) || !has(self.engine.enablePrefixCaching) || self.engine.enablePrefixCaching",
+     "message": "spec.routing.inferencePool.endpointPicker.prefixCache precise needs spec.engine.enablePrefixCaching",
+     "fieldPath": ".routing.inferencePool.endpointPicker.prefixCache", "reason": "FieldValueInvalid"},
     {"rule": "!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus >= "
              "(has(self.engine) && has(self.engine.tensorParallelSize) ? self.engine.tensorParallelSize : 1) || "
              "(self.resources.gpus == 0 && (!has(self.engine) || !has(self.engine.tensorParallelSize) || "
@@ -491,6 +572,16 @@ class AutoscalingStatus(_Model):
     recommendation: int | None = Field(default=None, ge=0, description="Last recommended replica count.")
 
 
+class RoutingStatus(_Model):
+    """What the reconcile rendered for spec.routing (absent without routing)."""
+    inference_pool: str | None = Field(default=None, description="InferencePool name (inference.networking.k8s.io/v1).")
+    endpoint_picker: str | None = Field(default=None, description="Service of the endpoint picker "
+                                                                  "(endpointPickerRef), port 9002.")
+    prefix_cache: str | None = Field(default=None, description="approximate or precise prefix-cache scoring.")
+    http_route: str | None = Field(default=None, description="HTTPRoute name, when a gateway is set.")
+    gateway: str | None = Field(default=None, description="NAMESPACE/NAME of the Gateway the route attaches to.")
+
+
 class InferenceServiceStatus(_Model):
     """Observed state, written by the operator through the status subresource."""
     observed_generation: int | None = Field(default=None, ge=0,
@@ -508,3 +599,4 @@ class InferenceServiceStatus(_Model):
     url: str | None = Field(default=None, description="OpenAI base URL inside the cluster: http://NAME.NAMESPACE.svc:PORT/v1.")
     model: str | None = Field(default=None, description="Served model name.")
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")
+    routing: RoutingStatus | None = Field(default=None, description="The InferencePool and route, with spec.routing.")

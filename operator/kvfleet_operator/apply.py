@@ -113,3 +113,11 @@ def controlled_by(obj: dict[str, Any], uid: str | None) -> bool:
         if ref.get("controller") and ref.get("kind") == "InferenceService" and (uid is None or ref.get("uid") == uid):
             return True
     return False
+
+
+def adoptable(obj: dict[str, Any], owner_label: str, name: str) -> bool:
+    """An orphan left by `kubectl delete --cascade=orphan` of an InferenceService of the same name:
+    labelled ``owner_label: name`` and without any controller. Applying it then sets our ownerReference."""
+    meta = obj.get("metadata") or {}
+    has_controller = any(ref.get("controller") for ref in meta.get("ownerReferences") or [])
+    return not has_controller and (meta.get("labels") or {}).get(owner_label) == name

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from . import api, runtime
+from . import api, routing, runtime
 
 OPERATOR_MODULES = ("kvfleet_operator.handlers", "kvfleet_operator.autoscaler")
 
@@ -105,12 +105,16 @@ def _render(args: argparse.Namespace) -> int:
             continue
         doc = admission.apply_defaults(doc, admission.schema())
         try:
-            children = render.render(doc, defaults=defaults, kubernetes_version=version)
+            children = render.render(doc, defaults=defaults, kubernetes_version=version,
+                                     routing_defaults=routing.RoutingDefaults(args.endpoint_picker_image))
         except render.Unrealisable as exc:
             print(f"error: {name}: {exc.reason}: {exc.message}", file=sys.stderr)
             failed = True
             continue
         out += [c for c in (children.deployment, children.service, children.pdb) if c is not None]
+        if children.routing is not None:
+            out += [getattr(children.routing, field) for field, _, _ in routing.KINDS
+                    if getattr(children.routing, field) is not None]
     if out:
         sys.stdout.write("# Rendered by `kvfleet-operator render`; in a cluster each object also gets an\n"
                          "# ownerReference to its InferenceService.\n")
@@ -159,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="check the children against this Kubernetes version's schema, as the operator does "
                              "with its API server's (default: the newest kubernetes-validate knows; versions below "
                              "1.30, the oldest supported, count as 1.30)")
+    render.add_argument("--endpoint-picker-image", default=routing.RoutingDefaults.from_env(dict(os.environ)).epp_image,
+                        help="endpoint picker image for specs with spec.routing.inferencePool and no endpointPicker.image, "
+                             "as the chart's routing.endpointPickerImage gives the operator (default: env "
+                             "KVFLEET_EPP_IMAGE, else %(default)s)")
     render.set_defaults(func=_render)
     crd = sub.add_parser("crd", help="print the InferenceService CRD")
     crd.add_argument("--peering", action="store_true", help="also print kopf's peering CRDs")

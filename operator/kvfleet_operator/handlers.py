@@ -1,7 +1,7 @@
 """kopf handlers: thin glue around read -> render -> apply -> status.
 
 Triggers: an InferenceService is created, its spec/metadata changes, or the operator (re)starts
-(resume); an owned Deployment/Service/PodDisruptionBudget changes or is deleted (the event names
+(resume); an owned Deployment/Service/PodDisruptionBudget/InferencePool/HTTPRoute changes or is deleted (the event names
 its controller InferenceService, which is then reconciled); a serving pod starts or stops failing
 (its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``); a
 Warning Event says a pod's volume does not attach or mount (``FailedAttachVolume`` such as
@@ -24,7 +24,8 @@ the API server). One pass (``reconcile``), under the object's lock:
    Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec; any
    other refusal (a full Service IP range, a quota's 403, a 500) is retried with backoff and, from
    the second failure in a row on, reported as Degraded ``ChildCreateFailed`` / ``ChildUpdateFailed``
-   with the server's message (the other children are still applied, the status still written);
+   with the server's message (the other children are still applied, the status still written); then
+   the routing objects of spec.routing (``routing_sync``: InferencePool, endpoint picker, HTTPRoute);
 4. list the serving pods (and the Warning Events of those still Pending): one that crash-loops, was
    OOM-killed, cannot pull its image, cannot mount a volume or cannot be scheduled makes
    Degraded=True with the reason and message; so does the Deployment's ReplicaFailure
@@ -51,7 +52,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, kube, memory, metrics, peering, pods, render, strict
+from . import api, apply, kube, memory, metrics, peering, pods, render, routing, routing_sync, strict
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -65,6 +66,7 @@ CHILD_FAILURE_REPORTED_AT_RETRY = 1  # a child write failing twice in a row is D
 CHILD_WRITE_REASONS = ("ChildCreateFailed", "ChildUpdateFailed")
 POD_WARNINGS = "type=Warning,involvedObject.kind=Pod"  # server-side filter of the Events watch
 SERVING_DEFAULTS = render.ServingDefaults.from_env(dict(os.environ))  # the chart's servingImage, servingDefaults
+ROUTING_DEFAULTS = routing.RoutingDefaults.from_env(dict(os.environ))  # the chart's routing.endpointPickerImage
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -77,7 +79,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.posting.reporting_component = "kvfleet-operator"
     # watch only the operator's own children (server-side filter; big clusters have many Deployments)
     for selector in (("apps", "v1", "deployments"), ("v1", "services"), ("policy", "v1", "poddisruptionbudgets"),
-                     ("v1", "pods")):
+                     ("v1", "pods"), ("inference.networking.k8s.io", "v1", "inferencepools"),
+                     ("gateway.networking.k8s.io", "v1", "httproutes")):
         settings.watching.label_selectors[selector] = MANAGED
     settings.watching.field_selectors[("v1", "events")] = POD_WARNINGS
 
@@ -179,7 +182,8 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                      logger: logging.Logger | logging.LoggerAdapter, retry: int) -> dict[str, Any]:
     spec = render.parse_spec(obj)
     version = strict.kubernetes_version(await client.server_version())  # the children's schema
-    children = render.render(obj, defaults=SERVING_DEFAULTS, kubernetes_version=version)  # Unrealisable first
+    children = render.render(obj, defaults=SERVING_DEFAULTS, routing_defaults=ROUTING_DEFAULTS,
+                             kubernetes_version=version)  # Unrealisable first
     uid = obj["metadata"].get("uid")
     live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
     live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \
@@ -187,7 +191,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     replicas = render.desired_replicas(spec, live_replicas, (obj.get("status") or {}).get("desiredReplicas"))
     children = render.with_replicas(children, replicas)
     desired = {"deployment": children.deployment, "service": children.service, "pdb": children.pdb}
-    ours = {kind: body is not None and (apply.controlled_by(body, uid) or _adoptable(body, name))
+    ours = {kind: body is not None and (apply.controlled_by(body, uid) or apply.adoptable(body, render.OWNER_LABEL, name))
             for kind, body in live.items()}
     for kind, body in live.items():
         if body is not None and desired[kind] is not None and not ours[kind]:
@@ -232,6 +236,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             metrics.CHILD_WRITES.labels(kind=kind, action=action).inc()
         if kind == "deployment" and body is not None:
             template_written = action == "create" or "template" in (body.get("spec") or {})
+    routed = await routing_sync.sync(client, obj, spec, children.routing, logger)
     selector = render.selector_string(name)
     serving_pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector)
                     if all((p.get("metadata", {}).get("labels") or {}).get(k) == v
@@ -245,18 +250,13 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     new = st.compute_status(obj, result.get("deployment"), replicas,
                             render.service_url(name, namespace, spec.service.port), spec.served_model_name,
                             selector, st.now_rfc3339(), spec.autoscaling.enabled, template_written, problem)
+    old_routing = (obj.get("status") or {}).get("routing")
+    if routed is not None or old_routing is not None:
+        new["routing"] = routing_sync.status_value(old_routing, routed)
     written = await _write_status(client, obj, new)
     if error is not None:
         raise error
     return written
-
-
-def _adoptable(child: dict[str, Any], name: str) -> bool:
-    """An orphan left by `kubectl delete --cascade=orphan` of an InferenceService of the same name:
-    labelled as ours and without any controller. The apply then sets our ownerReference (adoption)."""
-    meta = child.get("metadata") or {}
-    has_controller = any(ref.get("controller") for ref in meta.get("ownerReferences") or [])
-    return not has_controller and (meta.get("labels") or {}).get(render.OWNER_LABEL) == name
 
 
 async def _write_status(client: kube.KubeClient, obj: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -384,4 +384,16 @@ async def service_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> No
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_FILTER)
 async def pdb_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """An owned PodDisruptionBudget changed or was deleted: reconcile its owner."""
+    await _child_event(*_controller(body), logger)
+
+
+@kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools", labels=CHILD_FILTER)
+async def inference_pool_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """An owned InferencePool changed or was deleted (kopf watches it once its CRD exists): reconcile its owner."""
+    await _child_event(*_controller(body), logger)
+
+
+@kopf.on.event("gateway.networking.k8s.io", "v1", "httproutes", labels=CHILD_FILTER)
+async def http_route_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """An owned HTTPRoute changed or was deleted: reconcile its owner."""
     await _child_event(*_controller(body), logger)

@@ -28,7 +28,7 @@ import pydantic
 from kvfleet_server.cli import FlagError, parse_flags, threads_for_cpus
 from kvfleet_server.errors import UnsupportedFeatureError
 
-from . import api, runtime, strict
+from . import api, routing, runtime, strict
 from .apply import quantity
 
 MANAGED_BY = "kvfleet-operator"
@@ -383,10 +383,12 @@ def container_args(spec: api.InferenceServiceSpec, args: list[str]) -> list[str]
 # ---------------------------------------------------------------------------------------- render
 @dataclass(frozen=True)
 class Children:
-    """The rendered children of one InferenceService (pdb is None when not wanted)."""
+    """The rendered children of one InferenceService (pdb is None when not wanted; routing is None without
+    spec.routing.inferencePool, see routing.py)."""
     deployment: dict[str, Any]
     service: dict[str, Any]
     pdb: dict[str, Any] | None
+    routing: routing.RoutingChildren | None = None
 
 
 def _meta(obj: dict[str, Any], kind_labels: dict[str, str]) -> dict[str, Any]:
@@ -405,13 +407,16 @@ def _security_context() -> dict[str, Any]:
 
 
 def render(obj: dict[str, Any], replicas: int | None = None,
-           defaults: ServingDefaults = ServingDefaults(), kubernetes_version: str = strict.NEWEST) -> Children:
+           defaults: ServingDefaults = ServingDefaults(),
+           routing_defaults: routing.RoutingDefaults = routing.RoutingDefaults(),
+           kubernetes_version: str = strict.NEWEST) -> Children:
     """Render the children of InferenceService ``obj``.
 
     replicas: the Deployment's replica count (see ``desired_replicas``); None means
     ``desired_replicas(spec, None, status.desiredReplicas)``. defaults: what the spec leaves to the
-    operator (image, pull policy, per-GPU sizing). kubernetes_version: the children are checked
-    against this version's strict schema (``strict.kubernetes_version`` of the API server's).
+    operator (image, pull policy, per-GPU sizing); routing_defaults: the endpoint picker image.
+    kubernetes_version: the children are checked against this version's strict schema
+    (``strict.kubernetes_version`` of the API server's).
     Raises Unrealisable: InvalidSpec naming the spec field (an unknown field in scheduling.affinity
     is ``spec.scheduling.affinity.FIELD: unknown field``), ChildInvalid for a rendered field no
     spec field maps to."""
@@ -426,7 +431,7 @@ def render(obj: dict[str, Any], replicas: int | None = None,
     draft_path = _resolve(sp.draft_model, spec, mounts, "spec.engine.speculative.draftModel") \
         if sp is not None and sp.draft_model else None
     e = spec.engine
-    args = container_args(spec, server_args(spec, model_path, draft_path))
+    args = container_args(spec, server_args(spec, model_path, draft_path) + routing.server_args(spec))
     server = runtime.RUNTIMES[e.runtime]
     image, pull_policy = e.image or defaults.image_for(e.runtime), e.image_pull_policy or defaults.pull_policy
 
@@ -434,6 +439,7 @@ def render(obj: dict[str, Any], replicas: int | None = None,
     env_names = {v["name"] for v in env}
     hf_home = f"{MODEL_ROOT}/.hf-home" if mounts.downloads else "/tmp/.hf-home"
     env += [{"name": k, "value": v} for k, v in (("HOME", "/tmp"), ("HF_HOME", hf_home)) if k not in env_names]
+    env += routing.server_env(spec)
     volumes = [{"name": "tmp", "emptyDir": {}}] + list(mounts.volumes.values())
     volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}] + list(mounts.mounts.values())
     shm = shm_size(spec, defaults)
@@ -451,7 +457,8 @@ def render(obj: dict[str, Any], replicas: int | None = None,
         "imagePullPolicy": pull_policy,
         "command": list(server.command),
         "args": args,
-        "ports": [{"name": HTTP_PORT_NAME, "containerPort": spec.service.port, "protocol": "TCP"}],
+        "ports": [{"name": HTTP_PORT_NAME, "containerPort": spec.service.port, "protocol": "TCP"},
+                  *routing.server_ports(spec)],
         "env": env,
         "resources": resources,
         "volumeMounts": volume_mounts,
@@ -554,4 +561,6 @@ def render(obj: dict[str, Any], replicas: int | None = None,
         reason = "InvalidSpec" if all(field for field, _ in invalid) else "ChildInvalid"
         raise Unrealisable(reason, "; ".join(message for _, message in invalid)
                            + f" (the Kubernetes {kubernetes_version} schema)")
-    return Children(deployment=deployment, service=service, pdb=pdb)
+    routed = routing.render(obj, spec, routing_defaults, labels=labels, selector=selector_labels(name),
+                            owner=owner_reference(obj))
+    return Children(deployment=deployment, service=service, pdb=pdb, routing=routed)

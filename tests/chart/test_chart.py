@@ -71,7 +71,8 @@ def test_all_options_render_is_valid(rendered_all):
     got = sorted(m["kind"] for m in rendered_all)
     assert got == sorted(["ClusterRole", "ClusterRole", "ClusterRole", "ClusterRoleBinding", "Deployment", "Service",
                           "ServiceAccount", "ServiceMonitor", "PodMonitor", "Role", "Role", "RoleBinding",
-                          "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"])
+                          "RoleBinding", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                          "CustomResourceDefinition"])
     for m in rendered_all:
         validate_manifest(m)
 
@@ -237,6 +238,12 @@ def test_all_options_land(rendered_all):
     for name, value in (("KVFLEET_CPU_PER_GPU", "6500m"), ("KVFLEET_MEMORY_PER_GPU", "80Gi"),
                         ("KVFLEET_SHM_PER_GPU", "2Gi")):
         assert {"name": name, "value": value} in c["env"]
+    assert {"name": "KVFLEET_EPP_IMAGE",
+            "value": "registry.example.com/llm-d/llm-d-router-endpoint-picker:v0.10.0"} in c["env"]
+    crd = one(rendered_all, "CustomResourceDefinition")
+    assert crd["metadata"]["name"] == "inferencepools.inference.networking.k8s.io"
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert [v["name"] for v in crd["spec"]["versions"]] == ["v1"]
     pm = one(rendered_all, "PodMonitor")
     assert pm["metadata"]["namespace"] == "monitoring" and pm["metadata"]["labels"]["release"] == "prometheus"
     assert pm["spec"]["namespaceSelector"] == {"matchNames": ["llm-prod", "llm-staging"]}
@@ -282,6 +289,24 @@ def test_serving_defaults_reach_the_operator_and_size_the_gpu_pods(helm, rendere
     validate_manifest(dep)
     with pytest.raises(HelmError, match="cpuPerGPU"):
         render_chart(helm, sets=["servingDefaults.cpuPerGPU=lots"])
+
+
+def test_endpoint_picker_image_reaches_the_operator_and_the_pickers_it_renders(rendered_default):
+    """The chart's routing.endpointPickerImage is what the operator renders for a spec without endpointPicker.image,
+    and the chart's InferencePool CRD is the one the routing tests validate against."""
+    from kvfleet_operator import render, routing
+
+    _, c = _container(rendered_default)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["KVFLEET_EPP_IMAGE"] == routing.DEFAULT_EPP_IMAGE
+    sample = yaml.safe_load((CHART.parents[1] / "crds/samples/smollm2-cpu-routed.yaml").read_text())
+    children = render.render(sample, routing_defaults=routing.RoutingDefaults.from_env(env))
+    assert children.routing.epp_deployment["spec"]["template"]["spec"]["containers"][0]["image"] == \
+        routing.DEFAULT_EPP_IMAGE
+    chart_crd = yaml.safe_load((CHART / "files/inference.networking.k8s.io_inferencepools.yaml").read_text())
+    (v1,) = chart_crd["spec"]["versions"]
+    stored = json.loads((SCHEMAS / "inferencepool-inference.networking.k8s.io-v1.json").read_text())
+    assert v1["schema"]["openAPIV3Schema"] == stored["openAPIV3Schema"]
 
 
 def test_serving_pods_rendered_with_pull_secrets_are_valid(rendered_default):

@@ -60,6 +60,18 @@ def test_analysis_finds_the_operators_calls(code_requirements):
     assert "kvfleet_operator/handlers.py" in every_source
 
 
+def test_what_a_role_the_operator_writes_grants_is_required(code_requirements):
+    """The endpoint picker's Role (routing.EPP_RULES): Kubernetes refuses a Role granting more than its writer
+    holds, so each of its rules is a requirement of the operator (and the chart grants it)."""
+    from kvfleet_operator import routing
+
+    granted = [r for r in code_requirements if "EPP_RULES" in r.source]
+    assert {(r.group, r.resource, r.verb) for r in granted} == {
+        (g, res, v) for rule in routing.EPP_RULES for g in rule["apiGroups"] for res in rule["resources"]
+        for v in rule["verbs"]}
+    assert _has(granted, "llm-d.ai", "inferenceobjectives", "watch") and _has(granted, "", "pods", "get")
+
+
 def test_analysis_covers_every_module_that_talks_to_the_api():
     """Each module that uses the client, declares kopf handlers or imports the kubernetes package
     yields requirements: a module whose calls the analysis cannot see would fail here."""
@@ -318,20 +330,21 @@ def test_helper_whose_resource_cannot_be_resolved_is_an_error():
             _analyze(source)
 
 
-def test_a_hidden_configmaps_call_fails_the_chart_check(renders):
-    """The mutation that used to pass: a helper call needing configmaps added to the operator's code."""
+def test_a_hidden_limitranges_call_fails_the_chart_check(renders):
+    """The mutation that used to pass: a helper call needing a resource nothing grants (limitranges)
+    added to the operator's code."""
     mutated = (PACKAGE / "handlers.py").read_text() + textwrap.dedent("""
 
         async def _read_any(c, av, plural, ns, name):
             return await c.get(av, plural, ns, name)
 
         async def _settings(ns):
-            return await _read_any(kube.get_client(), "v1", "configmaps", ns, "kvfleet-settings")
+            return await _read_any(kube.get_client(), "v1", "limitranges", ns, "kvfleet-settings")
     """)
     reqs = [r for r in ra.analyze_package(PACKAGE) if not r.source.startswith("kvfleet_operator/handlers.py")]
     reqs += ra.analyze_source(mutated, "kvfleet_operator.handlers", filename="kvfleet_operator/handlers.py")
     missing, _ = ra.check(renders["all-namespaces+peering (default)"], reqs)
-    assert any("configmaps" in m and "get" in m for m in missing), missing
+    assert any("limitranges" in m and "get" in m for m in missing), missing
 
 
 def test_http_clients_and_dict_get_are_not_api_calls():

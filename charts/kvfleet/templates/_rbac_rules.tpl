@@ -37,7 +37,14 @@ Rules on namespaced resources: in the ClusterRole (all namespaces) or a Role per
 - pods: list, for the autoscaler to scrape each ready serving pod's /metrics and for the reconcile to
   report failing pods; watch, so that a pod failure reaches the status at once; patch, for the
   controller.kubernetes.io/pod-deletion-cost annotation set before a scale-down (the only pod
-  writes: the ReplicaSet then removes the idlest pods; pod-patch-policy.yaml denies any other change).
+  writes: the ReplicaSet then removes the idlest pods; pod-patch-policy.yaml denies any other change);
+  get, because the endpoint picker's Role grants it.
+- spec.routing (docs/routing.md): inferencepools and httproutes, read, created, patched, deleted and
+  watched (an owned one that changes is reconciled); gateways, read (a missing Gateway is Degraded);
+  configmaps, serviceaccounts, roles, rolebindings of the endpoint picker, read, created, patched,
+  deleted. Kubernetes lets the operator write a Role only with permissions it holds itself, so it also
+  holds what the endpoint picker's Role grants, read-only: pods, inferencepools, and llm-d.ai
+  inferenceobjectives / inferencemodelrewrites.
 - events: create: the autoscaler's Kubernetes Events on InferenceServices (scale decisions); list/watch:
   Warning Events about pods (FailedMount, FailedAttachVolume) to report why a serving pod does not start.
 - kopfpeerings (named namespaces, peering on): as clusterkopfpeerings above, per namespace.
@@ -64,7 +71,25 @@ Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not 
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["gateways"]
+  verbs: ["get"]
+- apiGroups: [""]
+  resources: ["configmaps", "serviceaccounts"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["llm-d.ai"]
+  resources: ["inferenceobjectives", "inferencemodelrewrites"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "list", "watch"]

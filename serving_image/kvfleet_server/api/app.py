@@ -18,6 +18,7 @@ from .drain import InflightMiddleware
 from .errors import error_body, install_error_handlers
 from .routes_misc import router as misc_router
 from .routes_openai import router as openai_router
+from .routes_render import router as render_router
 from .state import ServerSettings, ServerState
 
 OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
@@ -67,6 +68,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.kv = state
     install_error_handlers(app)
     app.include_router(openai_router)
+    app.include_router(render_router)
     app.include_router(misc_router)
     app.add_middleware(InflightMiddleware, drain=state.drain)
     if state.settings.api_key:

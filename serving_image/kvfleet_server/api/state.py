@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..config import KVEventsConfig
 from ..metrics import ServerMetrics
 from .async_engine import AsyncEngine
 from .drain import Drain
@@ -34,6 +35,8 @@ class ServerSettings:
         cors: keyword arguments of starlette's CORSMiddleware (--allowed-origins etc.), or None for no CORS.
         enable_auto_tool_choice / tool_call_parser: vLLM's flags for ``tool_choice: "auto"`` (api/tools.py).
         log_stats: write the periodic stats log line (False: vLLM's --disable-log-stats).
+        kv_events_config: --kv-events-config (``config.KVEventsConfig``): publish the prefix cache's events
+            over ZeroMQ (``kv_events.ZmqEventPublisher``), or None.
     """
 
     served_model_names: list[str]
@@ -50,6 +53,7 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     log_stats: bool = True
+    kv_events_config: "KVEventsConfig | None" = None
 
 
 class ServerState:
@@ -78,27 +82,53 @@ class ServerState:
         #: set when the server can no longer serve at all (a tensor-parallel worker died); /health is 503
         self.fatal_error: str | None = None
         self.on_fatal: Callable[[str], None] | None = None
+        self.kv_events = None  # kv_events.ZmqEventPublisher while publishing
 
     # ------------------------------------------------------------------ lifecycle (asyncio loop)
 
     async def start(self) -> None:
-        """Attach a given engine now, or load one in a worker thread (the loop keeps answering /health)."""
-        if self._pending_engine is not None:
-            self._attach(self._pending_engine)
-        elif self._factory is not None:
+        """Attach a given engine now, or load one in a worker thread (the loop keeps answering /health).
+        A load that fails, or a KV-events endpoint that cannot be bound, is reported through
+        ``load_error`` / ``on_load_error`` (the server exits non-zero)."""
+        llm = self._pending_engine
+        if llm is None and self._factory is not None:
             t0 = time.monotonic()
             try:
                 llm = await _in_daemon_thread(self._factory)
             except asyncio.CancelledError:
                 raise
             except BaseException as exc:  # noqa: BLE001 - reported, process exits non-zero
-                logger.exception("loading the engine failed")
-                self.load_error = exc
-                if self.on_load_error is not None:
-                    self.on_load_error(exc)
+                self._load_failed(exc, "loading the engine failed")
                 return
             self.load_seconds = time.monotonic() - t0
-            self._attach(llm)
+        if llm is None:
+            return
+        try:
+            self._start_kv_events(llm)
+        except Exception as exc:  # noqa: BLE001 - e.g. the ZeroMQ port is taken
+            self._load_failed(exc, "starting the KV-events publisher failed")
+            return
+        self._attach(llm)
+
+    def _load_failed(self, exc: BaseException, what: str) -> None:
+        logger.error("%s: %s", what, exc, exc_info=exc)
+        self.load_error = exc
+        if self.on_load_error is not None:
+            self.on_load_error(exc)
+
+    def _start_kv_events(self, llm) -> None:
+        """Bind the KV-events publisher and make the engine hand it each step's events (--kv-events-config)."""
+        cfg = self.settings.kv_events_config
+        if cfg is None or not cfg.publishes:
+            return
+        if not llm.config.enable_prefix_caching:
+            logger.warning("--kv-events-config with --no-enable-prefix-caching: no block is ever cached, so no "
+                           "KV event is published")
+        from ..kv_events import ZmqEventPublisher
+
+        self.kv_events = ZmqEventPublisher(cfg, llm.config.block_size,
+                                           on_drop=self.metrics.kv_events_dropped.inc)
+        llm.set_kv_events_sink(self.kv_events.publish)
 
     def _attach(self, llm) -> None:
         self.llm = llm
@@ -134,6 +164,8 @@ class ServerState:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         stop = getattr(self.llm, "shutdown", None)
         if stop is not None and self.fatal_error is None:
             stop()

@@ -14,6 +14,11 @@ Design after vLLM's v1 KV cache manager:
   by a prefix hit. Blocks with ref_cnt > 0 are never evicted.
 - Writing into a shared block (ref_cnt > 1) first copies it to a fresh block (copy-on-write); the copy
   is returned to the runner, which performs it before the forward pass.
+- KV events (vLLM's ``--kv-events-config``): with ``record_events`` on, the pool records what it does to
+  the prefix cache — blocks published (``BlocksStored``, one per run of consecutive blocks of a sequence,
+  with the prefix cache's own hashes), cached blocks evicted (``BlocksRemoved``) and the whole cache
+  reset (``CacheCleared``) — for ``take_events`` to hand to a publisher after each step. Recording is
+  a list append on the engine thread; publishing happens elsewhere (``kv_events.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,33 @@ class KVBlock:
     # prompt whose next block only partly matches can reuse the matching leading slots
     parent_key: tuple | None = None
     token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class BlocksStored:
+    """Full blocks newly published to the prefix cache: consecutive blocks of one sequence.
+
+    ``parent_block_hash`` is the hash of the block before the first (None at the start of a sequence);
+    ``token_ids`` are the blocks' tokens, block after block (``len(block_hashes) * block_size`` of them)."""
+
+    block_hashes: tuple[bytes, ...]
+    parent_block_hash: bytes | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlocksRemoved:
+    """Cached blocks whose hash left the prefix cache (evicted to make room)."""
+
+    block_hashes: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class CacheCleared:
+    """Every hash left the prefix cache (``reset_prefix_cache``)."""
+
+
+KVEvent = BlocksStored | BlocksRemoved | CacheCleared
 
 
 def hash_block_tokens(parent: bytes | None, token_ids: list[int] | tuple[int, ...], extra: tuple = ()) -> bytes:
@@ -71,6 +103,9 @@ class BlockPool:
         self._hash_to_block: dict[bytes, int] = {}
         self._children: dict[tuple, set[int]] = {}  # (parent hash, extra keys) -> published block ids
         self.num_evictions = 0
+        #: record KV events for ``take_events`` (off: nothing is kept)
+        self.record_events = False
+        self._events: list[KVEvent] = []
 
     # --- introspection -------------------------------------------------------------------------
     @property
@@ -95,6 +130,8 @@ class BlockPool:
         elif self._free_cached:
             bid, _ = self._free_cached.popitem(last=False)
             block = self.blocks[bid]
+            if self.record_events:
+                self._events.append(BlocksRemoved((block.block_hash,)))
             self._drop_hash(block)
             self.num_evictions += 1
         else:
@@ -125,16 +162,28 @@ class BlockPool:
         return None if bid is None else self.blocks[bid]
 
     def publish(self, block: KVBlock, block_hash: bytes, parent_key: tuple | None = None,
-                token_ids: tuple[int, ...] = ()) -> None:
+                token_ids: tuple[int, ...] = ()) -> bool:
         """Mark a full, computed block as reusable under ``block_hash`` (first writer wins).
-        ``parent_key`` = (parent hash or None, extra keys) and ``token_ids`` index it for partial matches."""
+        ``parent_key`` = (parent hash or None, extra keys) and ``token_ids`` index it for partial matches.
+        Returns whether the block was newly published (False: it already was, or another block holds the hash)."""
         if block.block_hash is not None or block_hash in self._hash_to_block:
-            return
+            return False
         block.block_hash = block_hash
         self._hash_to_block[block_hash] = block.block_id
         if parent_key is not None:
             block.parent_key, block.token_ids = parent_key, tuple(token_ids)
             self._children.setdefault(parent_key, set()).add(block.block_id)
+        return True
+
+    def record_stored(self, event: BlocksStored) -> None:
+        """Record a run of newly published blocks (``KVCacheManager.publish_full_blocks``, while
+        ``record_events`` is on)."""
+        self._events.append(event)
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first (and forget them)."""
+        events, self._events = self._events, []
+        return events
 
     def best_partial_match(self, parent_key: tuple, tokens: list[int]) -> tuple[KVBlock | None, int]:
         """Published block under ``parent_key`` sharing the longest leading run with ``tokens``.
@@ -165,11 +214,15 @@ class BlockPool:
                 block.parent_key, block.token_ids = None, ()
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached hash of free blocks (used by tests and on config change)."""
-        for bid in list(self._free_cached):
+        """Forget every hash (vLLM's reset_prefix_cache): cached free blocks become plain free blocks, blocks in
+        use keep their contents for their sequences but are no longer shared with new ones. Records
+        ``CacheCleared``."""
+        for bid in list(self._hash_to_block.values()):
             self._drop_hash(self.blocks[bid])
-            self._free_uncached.append(bid)
+        self._free_uncached.extend(self._free_cached)
         self._free_cached.clear()
+        if self.record_events:
+            self._events.append(CacheCleared())
 
 
 class KVCacheManager:
@@ -257,9 +310,29 @@ class KVCacheManager:
         tokens, for partial-block matching, when ``token_ids`` is given)."""
         table = self.block_tables.get(seq_id, [])
         bs = self.block_size
+        new: list[int] = []
         for i in range(start, min(len(hashes), len(table))):
             if token_ids is None:
-                self.pool.publish(table[i], hashes[i])
+                published = self.pool.publish(table[i], hashes[i])
             else:
                 parent = hashes[i - 1] if i else None
-                self.pool.publish(table[i], hashes[i], (parent, extra), tuple(token_ids[i * bs : (i + 1) * bs]))
+                published = self.pool.publish(table[i], hashes[i], (parent, extra),
+                                              tuple(token_ids[i * bs : (i + 1) * bs]))
+            if published:
+                new.append(i)
+        if self.pool.record_events:
+            for first, last in _runs(new):  # one BlocksStored per run of consecutive blocks
+                self.pool.record_stored(BlocksStored(
+                    tuple(hashes[first : last + 1]), hashes[first - 1] if first else None,
+                    tuple(token_ids[first * bs : (last + 1) * bs]) if token_ids is not None else ()))
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int]]:
+    """(first, last) of each run of consecutive integers in the ascending ``indices``."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs

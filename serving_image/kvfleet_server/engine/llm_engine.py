@@ -177,6 +177,7 @@ class LLMEngine:
         self.last_iteration = IterationStats()
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
+        self._kv_events_sink = None
         lap("other")
         #: seconds spent per start-up phase (gguf parse or gguf cache read, config, weights, tokenizer
         #: wait, kv_cache allocation, compile, other), in order, and "tokenizer (in a thread)": the
@@ -349,9 +350,33 @@ class LLMEngine:
 
     # --- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration of continuous batching; returns outputs of requests that got new tokens or finished."""
+        """One iteration of continuous batching; returns outputs of requests that got new tokens or finished.
+        The step's KV events (if a sink is set, ``set_kv_events_sink``) go to the sink once it is done."""
         with torch.inference_mode():
-            return self._step()
+            outputs = self._step()
+        self._flush_kv_events()
+        return outputs
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (vLLM's ``reset_prefix_cache``; ``BlockPool.reset_prefix_cache``); the
+        AllBlocksCleared event goes to the KV-events sink at once. Engine thread only."""
+        self.kv.pool.reset_prefix_cache()
+        self._flush_kv_events()
+
+    def _flush_kv_events(self) -> None:
+        if self._kv_events_sink is not None:
+            events = self.kv.pool.take_events()
+            if events:
+                self._kv_events_sink(events)
+
+    def set_kv_events_sink(self, sink) -> None:
+        """Hand each step's KV-cache events (``engine.kv_cache.KVEvent`` list, oldest first) to ``sink`` on
+        the engine thread, after the step; None stops recording. The sink must not block: the server's is
+        ``kv_events.ZmqEventPublisher.publish`` (a bounded queue). Without prefix caching nothing is
+        published to the cache, so there are no events."""
+        self._kv_events_sink = sink
+        self.kv.pool.record_events = sink is not None
+        self.kv.pool.take_events()
 
     def _step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

@@ -2,7 +2,10 @@
 -- Healthy:     Ready=True and status.observedGeneration == metadata.generation.
 -- Degraded:    Degraded=True (the operator's reason and message), once the current spec is observed.
 -- Healthy too: spec.replicas 0 without autoscaling, once no pod is left (scaled to zero on purpose).
--- Progressing: no status yet, the current generation not yet observed, or rolling out / scaling.
+-- Progressing: no status yet, the current generation not yet observed, or rolling out / scaling; with
+--              spec.routing.inferencePool, until status.routing names the InferencePool the operator made.
+-- A routed InferenceService's Healthy message names its InferencePool (and HTTPRoute); a missing Gateway or
+-- missing Inference Extension CRDs are Degraded conditions (GatewayNotFound, InferencePoolCRDMissing, ...).
 local hs = {}
 
 local function condition(conds, ctype)
@@ -66,8 +69,16 @@ if current(degraded) and degraded.status == "True" then
   return hs
 end
 
--- Scaled to zero on purpose (as Argo CD treats a Deployment with 0 replicas): nothing to wait for.
 local spec = obj.spec or {}
+local routing = status.routing
+local wants_pool = spec.routing ~= nil and spec.routing.inferencePool ~= nil
+if wants_pool and (routing == nil or routing.inferencePool == nil) then
+  hs.status = "Progressing"
+  hs.message = "Waiting for the operator to create the InferencePool and its endpoint picker"
+  return hs
+end
+
+-- Scaled to zero on purpose (as Argo CD treats a Deployment with 0 replicas): nothing to wait for.
 local autoscaling = spec.autoscaling or {}
 if spec.replicas == 0 and autoscaling.enabled ~= true and (status.replicas == nil or status.replicas == 0) then
   hs.status = "Healthy"
@@ -82,6 +93,12 @@ if current(ready) and ready.status == "True" and not (current(progressing) and p
     fallback = tostring(status.readyReplicas) .. "/" .. tostring(status.replicas) .. " replicas ready"
   end
   hs.message = describe(ready, fallback)
+  if wants_pool then
+    hs.message = hs.message .. "; routed by InferencePool " .. routing.inferencePool
+    if routing.httpRoute ~= nil then
+      hs.message = hs.message .. " (HTTPRoute " .. routing.httpRoute .. ")"
+    end
+  end
   return hs
 end
 
