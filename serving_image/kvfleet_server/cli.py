@@ -162,9 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "architectures are refused with or without it")
     m.add_argument("--revision", default=None, help="Hub revision to download (refused: not supported yet)")
     m.add_argument("--download-dir", default=None, help="Hub download directory (refused: not supported yet)")
-    m.add_argument("--generation-config", default="vllm",
-                   help="'vllm': request defaults are vLLM's own and generation_config.json is not read "
-                        "(vLLM's default 'auto' and a folder are refused: not supported yet)")
+    m.add_argument("--generation-config", default=_engine_default("generation_config"),
+                   help="defaults of the sampling fields a request leaves unset: 'auto' = the model's "
+                        "generation_config.json (a GGUF's general.sampling.* metadata), 'vllm' = vLLM's own "
+                        "(the file is not read), or a directory holding generation_config.json")
     m.add_argument("--dtype", default="auto",
                    help="weights/activation dtype: auto (float32 on CPU, bfloat16 on CUDA and for int8/int4/gguf "
                         "weights on CPU), float32, float16 (GPU only), bfloat16")
@@ -283,7 +284,7 @@ ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_mem
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
                  "speculative_config", "seed", "num_threads", "max_logprobs",
                  "structured_outputs_config", "enable_jump_forward", "attention_backend", "enforce_eager",
-                 "compilation_config", "cpu_weight_prepack", "cpu_fused_ops")
+                 "compilation_config", "cpu_weight_prepack", "cpu_fused_ops", "generation_config")
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:
