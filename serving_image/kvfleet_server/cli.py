@@ -162,9 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "architectures are refused with or without it")
     m.add_argument("--revision", default=None, help="Hub revision to download (refused: not supported yet)")
     m.add_argument("--download-dir", default=None, help="Hub download directory (refused: not supported yet)")
-    m.add_argument("--generation-config", default="vllm",
-                   help="'vllm': request defaults are vLLM's own and generation_config.json is not read "
-                        "(vLLM's default 'auto' and a folder are refused: not supported yet)")
+    m.add_argument("--generation-config", default=_engine_default("generation_config"),
+                   help="defaults of the sampling fields a request leaves unset: 'auto' = the model's "
+                        "generation_config.json (a GGUF's general.sampling.* metadata), 'vllm' = vLLM's own "
+                        "(the file is not read), or a directory holding generation_config.json")
     m.add_argument("--dtype", default="auto",
                    help="weights/activation dtype: auto (float32 on CPU, bfloat16 on CUDA and for int8/int4/gguf "
                         "weights on CPU), float32, float16 (GPU only), bfloat16")
@@ -288,7 +289,7 @@ ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_mem
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
                  "speculative_config", "seed", "num_threads", "max_logprobs",
                  "structured_outputs_config", "enable_jump_forward", "attention_backend", "enforce_eager",
-                 "compilation_config", "cpu_weight_prepack", "cpu_fused_ops")
+                 "compilation_config", "cpu_weight_prepack", "cpu_fused_ops", "generation_config")
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:
@@ -340,6 +341,27 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(**kwargs)
 
 
+def server_settings(args: argparse.Namespace, config, chat_template: str | None):
+    """The HTTP layer's ServerSettings from the parsed flags, the EngineConfig and the read chat template."""
+    from .api import ServerSettings
+
+    return ServerSettings(
+        served_model_names=args.served_model_name or [config.resolved_served_name()], api_key=args.api_key,
+        max_queue_len=args.max_queue_len, shutdown_timeout=args.shutdown_timeout,
+        max_model_len=args.max_model_len or 2048, max_num_batched_tokens=args.max_num_batched_tokens or 2048,
+        root=args.model, max_logprobs=args.max_logprobs, chat_template=chat_template,
+        cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+              "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials},
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        log_stats=not args.disable_log_stats, kv_events_config=args.kv_events_config)
+
+
+def uvicorn_settings(args: argparse.Namespace) -> dict:
+    """Keyword arguments of ``uvicorn.Config`` that come from the flags."""
+    return dict(host=args.host, port=args.port, log_level=args.uvicorn_log_level, root_path=args.root_path or "",
+                access_log=not args.disable_uvicorn_access_log)
+
+
 def read_chat_template(value: str | None) -> str | None:
     """--chat-template: a readable file's contents, else the value itself is the template (vLLM's rule)."""
     if value is None:
@@ -373,17 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                 age_at_main if age_at_main is not None else float("nan"), time.monotonic() - t_main,
                 config.num_threads or os.environ.get("OMP_NUM_THREADS") or "torch default")
 
-    from .api import ServerSettings, ServerState, build_app
+    from .api import ServerState, build_app
 
-    settings = ServerSettings(
-        served_model_names=args.served_model_name or [config.resolved_served_name()], api_key=args.api_key,
-        max_queue_len=args.max_queue_len, shutdown_timeout=args.shutdown_timeout,
-        max_model_len=args.max_model_len or 2048, max_num_batched_tokens=args.max_num_batched_tokens or 2048,
-        root=args.model, max_logprobs=args.max_logprobs, chat_template=chat_template,
-        cors={"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
-              "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials},
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        log_stats=not args.disable_log_stats, kv_events_config=args.kv_events_config)
+    settings = server_settings(args, config, chat_template)
 
     def factory():
         t0 = time.monotonic()
@@ -418,10 +432,8 @@ async def _serve(app, state, args, t_main: float, age_at_main: float | None) -> 
             import contextlib
             return contextlib.nullcontext()
 
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            root_path=args.root_path or "",
-                            access_log=not args.disable_uvicorn_access_log, timeout_keep_alive=5,
-                            timeout_graceful_shutdown=5, lifespan="on")
+    config = uvicorn.Config(app, **uvicorn_settings(args), timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                            lifespan="on")
     server = _Server(config)
     loop = asyncio.get_running_loop()
     exit_code = 0

@@ -173,6 +173,10 @@ class EngineConfig:
             RoPE and SiLU-and-mul in kvfleet's fused C++ kernels (model/layers/layer_ops.py; kvfleet's
             ``--[no-]cpu-fused-ops``). Default True (torch's ops when the kernels cannot be built); False
             keeps torch's operator-by-operator reference.
+        generation_config: vLLM's --generation-config: "auto" (default: the model's generation_config.json,
+            or a GGUF's general.sampling.* metadata, gives the defaults of request fields left unset) |
+            "vllm" (vLLM's neutral defaults) | a directory holding generation_config.json (its
+            max_new_tokens also caps max_tokens). See ``generation_config.py``.
     """
 
     model: str | None = None
@@ -201,6 +205,7 @@ class EngineConfig:
     compilation_config: dict | None = None
     cpu_weight_prepack: bool = True
     cpu_fused_ops: bool = True
+    generation_config: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -279,6 +284,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        from .generation_config import check_generation_config
+
+        check_generation_config(self.generation_config)
 
     # --- resolved values -----------------------------------------------------------------------
     def resolved_compilation_level(self) -> int:

@@ -24,6 +24,14 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def get_default_sampling_params(self, **fields) -> SamplingParams:
+        """SamplingParams with the model's generation-config defaults (``--generation-config``, see
+        generation_config.py; what ``generate`` uses when given none), then ``fields`` on top (vLLM's
+        ``LLM.get_default_sampling_params``, plus overrides)."""
+        d = self.engine.generation_defaults
+        max_tokens = d.resolve_max_tokens(fields.get("max_tokens"))
+        return SamplingParams(**(d.params | fields | ({} if max_tokens is None else {"max_tokens": max_tokens})))
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False, *, add_special_tokens: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists); outputs in input order.
@@ -34,7 +42,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")

@@ -11,6 +11,7 @@ import math
 import time
 
 from kvfleet_server.errors import InvalidRequestError, PromptTooLongError
+from kvfleet_server.generation_config import GenerationDefaults
 from kvfleet_server.outputs import CompletionOutput, Logprob, RequestOutput
 from kvfleet_server.stats import IterationStats, SchedulerStats
 
@@ -40,6 +41,7 @@ class FakeEngine:
         self.step_delay = step_delay
         self.text = text  # what every request emits, one character per step (cycled)
         self.tokenizer = ByteTokenizer()
+        self.generation_defaults = GenerationDefaults()  # --generation-config vllm
         self.max_model_len = max_model_len
         self.model_name = "fake"
         self.max_num_seqs = max_num_seqs

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from ..errors import InvalidRequestError, UnsupportedFeatureError
+from ..generation_config import GenerationDefaults
 from ..outputs import Logprob, PositionLogprobs
 from ..sampling_params import SamplingParams
 from ..unsupported import CHAT, COMPLETIONS, request_refusals
@@ -33,21 +34,25 @@ def check_logprobs(value: int | None, param: str, max_logprobs: int) -> None:
                                   param=param)
 
 
-def _common(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-    temperature = 1.0 if req.temperature is None else req.temperature
-    if 0.0 < temperature < MIN_TEMPERATURE:
-        temperature = MIN_TEMPERATURE
+#: request field → its value when neither the request nor the generation config sets it (vLLM's)
+NEUTRAL = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def _common(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+            defaults: GenerationDefaults) -> SamplingParams:
+    """The fields both endpoints share; a field the request leaves unset (None) takes the model's
+    generation-config default (``defaults``), else vLLM's neutral value."""
+    knobs = {name: getattr(req, name) if getattr(req, name) is not None else defaults.params.get(name, neutral)
+             for name, neutral in NEUTRAL.items()}
+    if 0.0 < knobs["temperature"] < MIN_TEMPERATURE:
+        knobs["temperature"] = MIN_TEMPERATURE
     return SamplingParams(
         n=req.n,
-        temperature=temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
-        min_p=0.0 if req.min_p is None else req.min_p,
+        **knobs,
         seed=req.seed,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        max_tokens=max_tokens,
+        max_tokens=defaults.resolve_max_tokens(max_tokens),
         min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos,
         stop=req.stop,
@@ -59,8 +64,10 @@ def _common(req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: 
     )
 
 
-def completion_sampling_params(req: CompletionRequest, max_logprobs: int = 20) -> SamplingParams:
-    """SamplingParams for /v1/completions; ``echo`` with ``logprobs`` also asks for prompt logprobs."""
+def completion_sampling_params(req: CompletionRequest, max_logprobs: int = 20,
+                               defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+    """SamplingParams for /v1/completions; ``echo`` with ``logprobs`` also asks for prompt logprobs;
+    ``defaults``: the model's generation-config defaults for fields the request leaves unset."""
     refuse_unbuilt(req, COMPLETIONS)
     check_logprobs(req.logprobs, "logprobs", max_logprobs)
     check_logprobs(req.prompt_logprobs, "prompt_logprobs", max_logprobs)
@@ -74,11 +81,13 @@ def completion_sampling_params(req: CompletionRequest, max_logprobs: int = 20) -
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         prompt_logprobs = req.logprobs if prompt_logprobs is None else max(prompt_logprobs, req.logprobs)
-    return _common(req, req.max_tokens, req.logprobs, prompt_logprobs)
+    return _common(req, req.max_tokens, req.logprobs, prompt_logprobs, defaults)
 
 
-def chat_sampling_params(req: ChatCompletionRequest, max_logprobs: int = 20) -> SamplingParams:
-    """SamplingParams for /v1/chat/completions (``logprobs: true`` alone means the chosen token only).
+def chat_sampling_params(req: ChatCompletionRequest, max_logprobs: int = 20,
+                         defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+    """SamplingParams for /v1/chat/completions (``logprobs: true`` alone means the chosen token only;
+    ``defaults``: the model's generation-config defaults for fields the request leaves unset).
     Tools and structured output are added by the route (api/tools.py, api/structured.py)."""
     refuse_unbuilt(req, CHAT)
     if req.top_logprobs is not None and not req.logprobs:
@@ -91,7 +100,7 @@ def chat_sampling_params(req: ChatCompletionRequest, max_logprobs: int = 20) -> 
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequestError(f"{param} must be at least 1, got {max_tokens}", param=param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _common(req, max_tokens, logprobs, None)
+    return _common(req, max_tokens, logprobs, None, defaults)
 
 
 def completion_prompts(prompt) -> list[str | list[int]]:

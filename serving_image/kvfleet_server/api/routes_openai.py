@@ -110,7 +110,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         _check_prompt(state, p)
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
-    params = completion_sampling_params(body, state.settings.max_logprobs)
+    params = completion_sampling_params(body, state.settings.max_logprobs, state.generation_defaults)
     params.structured_outputs = await _constrain(state, body)
     rid, streams = await _submit(state, prompts, params, body.cache_salt, "cmpl", body.add_special_tokens)
     tok = state.llm.tokenizer
@@ -273,7 +273,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     plan = plan_tools(body, getattr(settings, "enable_auto_tool_choice", False),
                       getattr(settings, "tool_call_parser", None))
     parser_cls = TOOL_PARSERS.get(getattr(settings, "tool_call_parser", None) or "")
-    params = chat_sampling_params(body, state.settings.max_logprobs)
+    params = chat_sampling_params(body, state.settings.max_logprobs, state.generation_defaults)
     params.structured_outputs = await _constrain(state, body, plan)
     prompt = render_chat(state, body, plan)
     # the chat template already wrote the special tokens (as vLLM: add_special_tokens=False for chat)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import KVEventsConfig
+from ..generation_config import GenerationDefaults
 from ..metrics import ServerMetrics
 from .async_engine import AsyncEngine
 from .drain import Drain
@@ -181,6 +182,12 @@ class ServerState:
     @property
     def max_model_len(self) -> int:
         return int(getattr(self.llm, "max_model_len", self.settings.max_model_len))
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The loaded engine's request defaults (--generation-config)."""
+        self.require_engine()
+        return self.llm.generation_defaults
 
     @property
     def tokenizer(self):

@@ -28,6 +28,7 @@ from ..executor.distributed import TPGroup
 from ..executor.engine_setup import build_shard, prepare_model, size_kv_pool
 from ..executor.workers import WorkerGroup, start_workers
 from ..model.layers.quant import model_weight_bytes, quantization_note
+from ..generation_config import read_generation_defaults
 from ..model.loader import GGUFModelFile, is_gguf, load_model_config
 from ..model.sharding import check_tp_size
 from ..outputs import CompletionOutput, Logprob, RequestOutput
@@ -111,10 +112,16 @@ class LLMEngine:
                         self.weight_bytes / 2**20, f" (rank 0 of {tp_size})" if tp_size > 1 else "", self.dtype,
                         quantization_note(self.quantization, self.device))
             lap("weights")
-            if gguf is not None:
-                gguf.close()  # drop the file mapping: the weights are copied into the model
             self.tokenizer, timings["tokenizer (in a thread)"] = tokenizer.result()
             lap("tokenizer wait")
+            # after the tokenizer thread: it imports transformers, which is not safe to import concurrently
+            #: defaults of the sampling fields a request leaves unset (--generation-config; the server applies
+            #: them, as vLLM's serving layer does: api/convert.py, LLM.get_default_sampling_params)
+            self.generation_defaults = read_generation_defaults(config.generation_config, path,
+                                                                gguf.reader if gguf is not None else None)
+            logger.info("request defaults: %s", self.generation_defaults.describe())
+            if gguf is not None:
+                gguf.close()  # drop the file mapping: the weights are copied into the model
             # the draft model loads while the workers load their shards, before the process groups form
             # (their collectives time out: executor/distributed.py)
             self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)

@@ -6,6 +6,11 @@ and frequency: OpenAI) → min_tokens masking of EOS and stop_token_ids (unless 
 nothing else) → greedy argmax, or temperature → top-k → top-p → min-p → sampling with the row's
 own ``torch.Generator`` (exponential race: argmax(p / q), q ~ Exp(1)), so a seeded request draws the
 same numbers whatever else is in the batch.
+
+Ties: logits are compared in float32 and every path breaks ties by the lowest token id, as
+``torch.argmax`` does: top-k keeps exactly k tokens (a stable descending sort, not "every token at least
+the k-th value"), so ``top_k=1`` is greedy argmax whatever the temperature. In bfloat16, exact ties
+between the top logits are frequent (vLLM issue 5404 is the same bug).
 """
 
 from __future__ import annotations
@@ -60,14 +65,17 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 
 
 def filter_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p on rows that sample; returns probabilities [M, V] (rows sum to 1)."""
+    """Temperature, top-k, top-p, min-p on rows that sample; returns float32 probabilities [M, V] (rows sum
+    to 1). top-k keeps exactly k tokens and top-p a prefix of the same order: ties at the cut are broken by
+    the lowest token id (a stable sort), as argmax breaks them, so ``top_k=1`` is argmax."""
     dev = logits.device
+    logits = logits.float()
     temps = torch.tensor([p.temperature for p in params], device=dev, dtype=logits.dtype)
     logits = logits / temps[:, None]
     top_ks = [p.top_k if p.top_k > 0 else 0 for p in params]
     top_ps = [p.top_p for p in params]
     if any(top_ks) or any(tp < 1.0 for tp in top_ps):
-        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
         V = logits.shape[1]
         keep = torch.ones_like(sorted_logits, dtype=torch.bool)
         if any(top_ks):
@@ -135,8 +143,9 @@ def process_logits(logits: torch.Tensor, rows: list[SampleRow], grammar_bitmask=
 
 
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token id (0-dim tensor) drawn from ``probs`` [V] (unnormalised is fine) with the row's generator."""
-    q = torch.empty_like(probs).exponential_(generator=generator)
+    """One token id (0-dim tensor) drawn from ``probs`` [V] (unnormalised is fine) with the row's generator.
+    q is kept above 0 (``exponential_`` may return 0): 0 / 0 would be NaN, which argmax picks."""
+    q = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
     return (probs / q).argmax()
 
 
