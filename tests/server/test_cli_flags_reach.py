@@ -12,7 +12,7 @@ from dataclasses import fields
 import pytest
 
 from kvfleet_server.cli import build_parser, engine_config, parse_flags, server_settings, uvicorn_settings
-from kvfleet_server.config import EngineConfig
+from kvfleet_server.config import EngineConfig, KVEventsConfig
 from kvfleet_server.errors import UnsupportedFeatureError
 
 ENGINE = {f.name for f in fields(EngineConfig)}
@@ -27,6 +27,7 @@ SERVER = {
     "tool_call_parser": lambda s, u: s.tool_call_parser, "disable_log_stats": lambda s, u: not s.log_stats,
     "host": lambda s, u: u["host"], "port": lambda s, u: u["port"], "root_path": lambda s, u: u["root_path"],
     "uvicorn_log_level": lambda s, u: u["log_level"], "disable_uvicorn_access_log": lambda s, u: not u["access_log"],
+    "kv_events_config": lambda s, u: s.kv_events_config,
 }
 #: accepted and documented as changing nothing in kvfleet (docs/server.md), or read by main() for logging
 NO_EFFECT = {"trust_remote_code", "disable_log_requests", "log_level"}
@@ -42,7 +43,10 @@ VALUES = {
     "served_model_name": ["m1", "m2"], "chat_template": "{{ messages }}", "allowed_origins": ["https://a.example"],
     "allowed_methods": ["GET"], "allowed_headers": ["X-A"], "tool_call_parser": "hermes", "host": "127.0.0.1",
     "api_key": "sk-x", "root_path": "/llm",
+    "kv_events_config": {"enable_kv_cache_events": True, "endpoint": "tcp://*:5599", "topic": "kv@pod@m"},
 }
+#: flags parsed into a typed value: how to compare it with the JSON given
+PARSED = {"kv_events_config": lambda v: KVEventsConfig.from_dict(v)}
 
 
 def _argv(action: argparse.Action, value) -> list[str]:
@@ -93,6 +97,7 @@ def test_flag_value_reaches_its_setting(action, tmp_path):
     argv = ["--model", "/models/llama", *_argv(action, value), *extra] if action.dest != "model" else \
         _argv(action, value)
     args = parse_flags(argv)
+    value = PARSED.get(action.dest, lambda v: v)(value)
     assert getattr(args, action.dest) == value
     if action.dest in NO_EFFECT:
         return
