@@ -155,7 +155,7 @@ def openapi_schema() -> dict[str, Any]:
 
 
 PRINTER_COLUMNS = [
-    {"name": "Model", "type": "string", "jsonPath": ".status.model", "description": "Served model name."},
+    {"name": "Model", "type": "string", "jsonPath": ".status.model.name", "description": "Served model name."},
     {"name": "TP", "type": "integer", "jsonPath": ".spec.engine.tensorParallelSize",
      "description": "Tensor parallel size."},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas", "description": "Pods."},
