@@ -193,7 +193,7 @@ class EnvKeyRef(_Model):
 
 class EnvSource(_Model):
     """Where an environment variable's value comes from."""
-    secret_key_ref: EnvKeyRef | None = Field(default=None, description="A key of a Secret (e.g. HF_TOKEN).")
+    secret_key_ref: EnvKeyRef | None = Field(default=None, description="A key of a Secret.")
     config_map_key_ref: EnvKeyRef | None = Field(default=None, description="A key of a ConfigMap.")
 
     @model_validator(mode="after")
@@ -204,7 +204,7 @@ class EnvSource(_Model):
 
 
 class EnvVar(_Model):
-    """An environment variable of the server container (and of the model download init container)."""
+    """An environment variable of the server container (and of the model downloads; never a credential)."""
     name: str = Field(description="Variable name.", pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=256)
     value: str | None = Field(default=None, description="Literal value.", max_length=32768)
     value_from: EnvSource | None = Field(default=None, description="Value from a Secret or ConfigMap key.")

@@ -1,21 +1,26 @@
 """kopf handlers: thin glue around read -> render -> apply -> status.
 
 Triggers: an InferenceService is created, its spec/metadata changes, or the operator (re)starts
-(resume); an owned Deployment/Service/PodDisruptionBudget changes or is deleted (the event names
+(resume); an owned Deployment/Service/PodDisruptionBudget/model-download Job changes or is deleted
+(every ``weights.PROGRESS_INTERVAL_S`` while a model downloads, for its progress) (the event names
 its controller InferenceService, which is then reconciled); a serving pod starts or stops failing
 (its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``). One pass (``reconcile``):
 
 1. parse and render the spec (pure); a spec that cannot be realised -> status Degraded=True with
    reason and message, no child touched, ``kopf.PermanentError`` (no retry until the spec changes);
+   the hf:// and s3:// model sources are pinned once per generation (``weights.pin_sources``);
 2. read the live children; one that exists but is controlled by something else, or is not labelled
    as this InferenceService's, is a conflict (Degraded ``ChildConflict``, retried with backoff so
    that removing the object in the way is enough) — the operator never takes over objects it did
    not create; orphans it did create (``--cascade=orphan``) are adopted;
-3. create or three-way merge-patch each child (``apply``), delete the PDB when no longer wanted; a
+3. keep the model cache (``weights.prepare``: a shared cache's claim and download Jobs; the Deployment
+   is neither created nor moved to new weights before they are downloaded);
+   create or three-way merge-patch each child (``apply``), delete the PDB when no longer wanted; a
    child the API server refuses as invalid (422, e.g. a malformed affinity or toleration) is
    Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec;
 4. list the serving pods: one that crash-loops, was OOM-killed, cannot pull its image or cannot be
-   scheduled makes Degraded=True with the reason and the container's termination message;
+   scheduled makes Degraded=True with the reason and the container's termination message, and so
+   does a failed download; ModelReady says Downloading (bytes) / Loading / Ready (``model_status``);
 5. write the status subresource only when it changed.
 
 API errors raise ``kopf.TemporaryError`` with exponential backoff (1, 2, 4 … 60 s). The
@@ -33,7 +38,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, kube, metrics, peering, pods, render
+from . import api, apply, kube, metrics, model_status, peering, pods, render, resolve, weights
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -57,7 +62,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
     # watch only the operator's own children (server-side filter; big clusters have many Deployments)
     managed = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())
     for selector in (("apps", "v1", "deployments"), ("v1", "services"), ("policy", "v1", "poddisruptionbudgets"),
-                     ("v1", "pods")):
+                     ("v1", "pods"), ("batch", "v1", "jobs")):
         settings.watching.label_selectors[selector] = managed
 
 
@@ -129,6 +134,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
         return {}  # being deleted: the garbage collector removes the children, nothing to reconcile
     spec = render.parse_spec(obj)
     children = render.render(obj, defaults=SERVING_DEFAULTS)  # surfaces Unrealisable before any request
+    pins = await weights.pin_sources(obj, spec)  # once per generation; Unrealisable names the field
     uid = obj["metadata"].get("uid")
     live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
     live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \
@@ -143,10 +149,17 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             raise render.Unrealisable(
                 "ChildConflict", f"{body.get('kind', kind)} {namespace}/{name} exists and is not controlled by "
                                  f"this InferenceService; delete or rename it", retryable=True)
+    plan = await weights.prepare(client, obj, spec, pins, live["deployment"], SERVING_DEFAULTS)
+    children = render.with_replicas(render.render(obj, defaults=SERVING_DEFAULTS, pins=plan.serving or pins,
+                                                  hf_endpoint=resolve.hf_endpoint()), replicas)
+    desired["deployment"] = children.deployment
     result: dict[str, Any] = {}
     template_written = False
     for kind, av, plural in CHILDREN:
         want, have = desired[kind], live[kind]
+        if kind == "deployment" and plan.serving is None:  # its weights are still downloading: leave it as it is
+            result[kind] = have
+            continue
         if want is None:
             if have is not None and ours[kind]:
                 logger.info(f"Deleting {kind} {namespace}/{name} (no longer wanted)")
@@ -179,10 +192,17 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     serving_pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector)
                     if all((p.get("metadata", {}).get("labels") or {}).get(k) == v
                            for k, v in render.selector_labels(name).items())]
+    downloads = await weights.observe(client, obj, spec, plan, serving_pods)
+    now = st.now_rfc3339()
     new = st.compute_status(obj, result["deployment"], replicas,
-                            render.service_url(name, namespace, spec.service.port), spec.served_model_name,
-                            selector, st.now_rfc3339(), spec.autoscaling.enabled,
-                            template_written, pods.pod_problem(serving_pods))
+                            render.service_url(name, namespace, spec.service.port), plan.status,
+                            selector, now, spec.autoscaling.enabled, template_written,
+                            model_status.download_problem(downloads, spec) or pods.pod_problem(serving_pods))
+    ready = (st.get_condition(new, st.READY) or {}).get("status") == "True"
+    new["conditions"] = st.set_condition(
+        new["conditions"], model_status.MODEL_READY,
+        *model_status.condition(downloads, serving_pods, ready, plan.serving is None, plan.status["revision"]),
+        now, obj["metadata"].get("generation"))
     return await _write_status(client, obj, new)
 
 
@@ -296,6 +316,23 @@ async def deployment_event(body: kopf.Body, logger: logging.Logger, **_: Any) ->
 async def service_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """An owned Service changed or was deleted: reconcile its owner."""
     await _child_event(body, logger)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=CHILD_FILTER)
+async def job_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """An owned model-download Job changed (started, succeeded, failed, deleted): reconcile its owner, which
+    creates or moves the Deployment once the weights are there."""
+    await _child_event(body, logger)
+
+
+@kopf.timer(api.GROUP, api.VERSION, api.PLURAL, id="model-progress", interval=weights.PROGRESS_INTERVAL_S,
+            when=weights.downloading)
+async def model_progress(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """While ModelReady says Downloading, reconcile every PROGRESS_INTERVAL_S: its message follows the bytes."""
+    try:
+        await reconcile(plain_copy(body), logger)
+    except (Degraded, kube.ApiError) as exc:  # reported in the status, or retried at the next tick
+        logger.debug(f"progress reconcile: {exc}")
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_FILTER)

@@ -81,10 +81,11 @@ def rollout(deployment: dict[str, Any] | None, desired: int,
 
 
 def compute_status(obj: dict[str, Any], deployment: dict[str, Any] | None, desired: int, url: str,
-                   model: str, selector: str, now: str, autoscaling: bool,
+                   model: dict[str, Any], selector: str, now: str, autoscaling: bool,
                    template_written: bool = True, pod_problem: tuple[str, str] | None = None) -> dict[str, Any]:
     """The status the reconcile owns, given the live Deployment after apply (``template_written``:
-    see ``rollout``) and the serving pods' failure (``pods.pod_problem``: reason, message), if any.
+    see ``rollout``), status.model (``weights.model_status``) and the serving pods' or the model
+    download's failure (reason, message), if any.
 
     A failing pod makes Degraded=True with its reason and message at once (Ready and Progressing
     keep the rollout's view: old pods may still serve); the condition clears when no pod fails.

@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``kvfleet-download``; returns the exit status."""
     for name in OFFLINE_ENV:  # before huggingface_hub reads them at import
         os.environ.pop(name, None)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # progress is the gauges; logs stay readable
     args = build_parser().parse_args(argv)
     if args.store == "hf" and args.revision is None:
         args.revision = "main"
