@@ -64,7 +64,7 @@ class _PlainDumper(yaml.SafeDumper):
 
 
 def _render(args: argparse.Namespace) -> int:
-    from . import admission, render
+    from . import admission, cache, model_source, render
 
     try:
         text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
@@ -95,17 +95,25 @@ def _render(args: argparse.Namespace) -> int:
             failed = True
             continue
         doc = admission.apply_defaults(doc, admission.schema())
+        defaults = render.ServingDefaults(args.serving_image, args.serving_image_pull_policy)
         try:
-            children = render.render(doc, defaults=render.ServingDefaults(args.serving_image,
-                                                                          args.serving_image_pull_policy))
+            children = render.render(doc, defaults=defaults)
         except render.Unrealisable as exc:
             print(f"error: {name}: {exc.reason}: {exc.message}", file=sys.stderr)
             failed = True
             continue
         out += [c for c in (children.deployment, children.service, children.pdb) if c is not None]
+        spec = render.parse_spec(doc)
+        claim = cache.claim(doc, spec, None)  # a shared model cache: its claim and one download Job per source
+        if claim is not None:
+            dl = render.downloader(spec, defaults)
+            out += [claim] + [cache.download_job(doc, spec, s, model_source.unpinned(s), dl, [], None,
+                                                 render.pod_security_context()) for s in cache.downloaded(spec)]
     if out:
         sys.stdout.write("# Rendered by `kvfleet-operator render`; in a cluster each object also gets an\n"
-                         "# ownerReference to its InferenceService.\n")
+                         "# ownerReference to its InferenceService, and hf:// / s3:// models are pinned to the\n"
+                         "# commit (ETag digest) the operator resolves (status.model.revision) instead of the\n"
+                         "# revision asked for.\n")
         sys.stdout.write(yaml.dump_all(out, Dumper=_PlainDumper, sort_keys=False, width=120))
     return 2 if failed else 0
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, kube, metrics, model_status, peering, pods, render, resolve, weights
+from . import api, apply, cache, kube, metrics, model_status, peering, pods, render, resolve, weights
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -301,9 +301,11 @@ def _pods_matter(pod: kopf.Body, owner: dict[str, Any]) -> bool:
 @kopf.on.event("", "v1", "pods", labels=CHILD_FILTER)
 async def pod_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """A serving pod changed: a failure (crash loop, OOM kill, image pull, unschedulable) reaches the
-    owner's status within one reconcile, and so does its recovery."""
-    owner = (body.get("metadata", {}).get("labels") or {}).get(render.OWNER_LABEL)
-    await _child_event(body, logger, owner=owner, only_if_pods_matter=True)
+    owner's status within one reconcile, and so does its recovery. A model-download pod's changes (it
+    starts, finishes, fails: a few per download) always do: ModelReady follows them."""
+    labels = body.get("metadata", {}).get("labels") or {}
+    await _child_event(body, logger, owner=labels.get(render.OWNER_LABEL),
+                       only_if_pods_matter=labels.get("app.kubernetes.io/component") != cache.DOWNLOAD_COMPONENT)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)
