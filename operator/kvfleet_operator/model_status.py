@@ -66,7 +66,8 @@ def failure(line: str | None, source: Source, spec: api.InferenceServiceSpec) ->
     if m is None:
         return None
     reason, message = m["reason"], m["message"]
-    where = {"Unauthorized": "spec.model.credentialsSecret", "DiskFull": cache_field(spec)}.get(reason, source.field)
+    where = "spec.model.credentialsSecret" if reason == "Unauthorized" else \
+        cache_field(spec) if reason == "DiskFull" else source.field
     return reason, f"{where}: {message}"
 
 

@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from .model_files import INDEX_FILE, NothingToServe, s3_revision, select, small_files
 
@@ -294,9 +293,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run() -> Any:
-    sys.exit(main())
-
-
 if __name__ == "__main__":
-    run()
+    sys.exit(main())

@@ -57,10 +57,12 @@ def serve_app(app) -> Iterator[str]:
 
 @dataclass
 class Repo:
-    """A repository: commits (sha -> files) in order, refs (branch/tag -> sha), an optional token."""
+    """A repository: commits (sha -> files) in order, refs (branch/tag -> sha), and a token that is needed
+    for everything (private) or, ``gated``, for the files only (the listing stays public)."""
     commits: dict[str, dict[str, bytes]] = field(default_factory=dict)
     refs: dict[str, str] = field(default_factory=dict)
     token: str | None = None
+    gated: bool = False
 
 
 class FakeHub:
@@ -72,11 +74,11 @@ class FakeHub:
         self.app = self._build()
 
     def commit(self, repo_id: str, files: dict[str, bytes], branch: str = "main", token: str | None = None,
-               tags: tuple[str, ...] = ()) -> str:
+               gated: bool = False, tags: tuple[str, ...] = ()) -> str:
         """Add a commit holding exactly ``files`` (path -> content) on ``branch``; returns its sha."""
         repo = self.repos.setdefault(repo_id, Repo())
         if token is not None:
-            repo.token = token
+            repo.token, repo.gated = token, gated
         sha = hashlib.sha1(f"{repo_id}:{len(repo.commits)}:{sorted(files)}".encode()).hexdigest()
         repo.commits[sha] = dict(files)
         repo.refs[branch] = sha
@@ -89,12 +91,15 @@ class FakeHub:
         return any(path.endswith(suffix) for _, path in self.requests)
 
     # -------------------------------------------------------------------------------------- app
-    def _lookup(self, request: Request, repo_id: str, revision: str) -> tuple[str, dict[str, bytes]] | Response:
+    def _lookup(self, request: Request, repo_id: str, revision: str,
+                files: bool = False) -> tuple[str, dict[str, bytes]] | Response:
         repo = self.repos.get(repo_id)
         if repo is None:
             return Response(status_code=404, headers={"X-Error-Code": "RepoNotFound"})
-        if repo.token is not None and request.headers.get("authorization") != f"Bearer {repo.token}":
-            return Response(status_code=401, headers={"X-Error-Code": "RepoNotFound"})  # as the Hub: private = absent
+        if repo.token is not None and (files or not repo.gated) \
+                and request.headers.get("authorization") != f"Bearer {repo.token}":
+            code = "GatedRepo" if repo.gated else "RepoNotFound"  # as the Hub: a private repository looks absent
+            return Response(status_code=401 if not repo.gated else 403, headers={"X-Error-Code": code})
         sha = revision if revision in repo.commits else repo.refs.get(revision)
         if sha is None:
             return Response(status_code=404, headers={"X-Error-Code": "RevisionNotFound"})
@@ -138,7 +143,7 @@ class FakeHub:
 
         @app.api_route("/{org}/{name}/resolve/{revision}/{path:path}", methods=["GET", "HEAD"])
         def resolve(request: Request, org: str, name: str, revision: str, path: str):
-            found = hub._lookup(request, f"{org}/{name}", revision)
+            found = hub._lookup(request, f"{org}/{name}", revision, files=True)
             if isinstance(found, Response):
                 return found
             sha, files = found
