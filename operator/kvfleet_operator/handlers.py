@@ -201,7 +201,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     ready = (st.get_condition(new, st.READY) or {}).get("status") == "True"
     new["conditions"] = st.set_condition(
         new["conditions"], model_status.MODEL_READY,
-        *model_status.condition(downloads, serving_pods, ready, plan.serving is None, plan.status["revision"]),
+        *model_status.condition(downloads, serving_pods, ready, plan.status["revision"]),
         now, obj["metadata"].get("generation"))
     return await _write_status(client, obj, new)
 

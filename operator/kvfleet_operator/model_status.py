@@ -127,11 +127,11 @@ def pod_phase(pod: dict[str, Any]) -> str:
     return f"pod {name}: {st.get('phase') or 'Pending'}"
 
 
-def condition(downloads: list[Download], serving_pods: list[dict[str, Any]], ready: bool, held: bool,
+def condition(downloads: list[Download], serving_pods: list[dict[str, Any]], ready: bool,
               revision: str | None) -> tuple[bool, str, str]:
     """(status, reason, message) of ModelReady. ``downloads``: the current generation's; ``ready``: the
-    rollout judged Ready (a pod of the current template serves); ``held``: the Deployment waits for the
-    downloads (shared cache); ``revision``: the pinned revision of spec.model.uri (None if not downloaded)."""
+    rollout judged Ready (a pod of the current template serves); ``revision``: the pinned revision of
+    spec.model.uri (None if not downloaded)."""
     failed = [d for d in downloads if d.state == "failed"]
     if failed:
         return False, "DownloadFailed", "; ".join(f"{d.source.uri}@{d.revision[:12]}: {d.last_line or d.where}"
@@ -139,10 +139,8 @@ def condition(downloads: list[Download], serving_pods: list[dict[str, Any]], rea
     busy = [d for d in downloads if d.state in ("pending", "running")]
     if busy:
         return False, "Downloading", "; ".join(_progress(d) for d in busy)
-    if held:
-        return False, "Downloading", "waiting for the download Job to be created"
     at = f" at {revision[:12]}" if revision else ""
-    if ready and not any(d.state != "succeeded" for d in downloads):
+    if ready:
         return True, "Ready", f"the model{at} is served"
     starting = [pod_phase(p) for p in serving_pods
                 if not any(c.get("type") == "Ready" and c.get("status") == "True"

@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .model_files import INDEX_FILE, NothingToServe, s3_revision, select, small_files
+from .model_files import INDEX_FILE, FileMissing, NothingToServe, s3_revision, select, small_files
 
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 DOWNLOADED = "kvfleet:model_download_downloaded_bytes"
@@ -48,7 +48,7 @@ EXPECTED = "kvfleet:model_download_expected_bytes"
 EXIT_PERMANENT = 3
 
 
-@dataclass(frozen=True)
+@dataclass
 class Failure(Exception):
     """A failed fetch or listing: ``reason`` (CamelCase), ``message``, ``permanent`` (retrying cannot help).
 
@@ -68,7 +68,7 @@ def classify(exc: BaseException, where: str) -> Failure:
     if isinstance(exc, Failure):
         return exc
     if isinstance(exc, NothingToServe):
-        return Failure("FileNotFound" if "no file" in str(exc) else "NothingToServe", f"{where}: {exc}")
+        return Failure("FileNotFound" if isinstance(exc, FileMissing) else "NothingToServe", f"{where}: {exc}")
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return Failure("DiskFull", f"{where}: no space left on the model cache volume ({exc.strerror})")
     from huggingface_hub import errors as hf

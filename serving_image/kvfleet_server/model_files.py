@@ -34,6 +34,10 @@ class NothingToServe(ValueError):
     """The listing holds none of the files serving needs (e.g. only ``*.bin`` or ``*.pth`` weights)."""
 
 
+class FileMissing(NothingToServe):
+    """The one file asked for (a .gguf path) is not in the listing."""
+
+
 def small_files(names: Iterable[str], role: str = "model") -> list[str]:
     """The non-weight files of ``role`` present in ``names`` (config, tokenizer, index), sorted."""
     top = {n for n in names if "/" not in n}
@@ -48,14 +52,14 @@ def select(names: Iterable[str], role: str = "model", gguf_file: str | None = No
     ``index_weight_files``: the values of the index's ``weight_map`` when the index was read (the
     downloader reads it first); without it, every top-level ``*.safetensors`` counts. Raises
     ``NothingToServe`` (message names what the listing holds instead) when a model has no
-    safetensors weights, a tokenizer no tokenizer file, or ``gguf_file`` is not in ``names``."""
+    safetensors weights or a tokenizer no tokenizer file; ``FileMissing`` when ``gguf_file`` is not in ``names``."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     names = sorted(set(names))
     if gguf_file is not None:
         if gguf_file not in names:
             ggufs = [n for n in names if n.endswith(".gguf")]
-            raise NothingToServe(f"no file {gguf_file!r} there; .gguf files present: "
+            raise FileMissing(f"no file {gguf_file!r} there; .gguf files present: "
                                  f"{', '.join(ggufs[:20]) if ggufs else 'none'}")
         return [gguf_file]
     small = small_files(names, role)
