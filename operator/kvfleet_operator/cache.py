@@ -232,7 +232,8 @@ def download_job(obj: dict[str, Any], spec: api.InferenceServiceSpec, source: So
     name = obj["metadata"]["name"]
     meta = _meta(obj, job_name(name, source, pin), owner)
     meta["labels"][SOURCE_LABEL] = source_label(source.uri)
-    meta["annotations"] = {URI_ANNOTATION: source.uri, REVISION_ANNOTATION: pin.revision, FIELD_ANNOTATION: source.field,
+    meta["annotations"] = {URI_ANNOTATION: source.uri, REVISION_ANNOTATION: pin.revision,
+                           FIELD_ANNOTATION: source.field,
                            GENERATION_ANNOTATION: str((obj["metadata"].get("generation") or 0))}
     pod: dict[str, Any] = {
         "restartPolicy": "Never",

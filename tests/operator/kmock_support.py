@@ -7,8 +7,8 @@ Pieces (reused by the autoscaler's tests):
   Authorization header (the operator's kubeconfig token is ``OPERATOR_TOKEN``; the tests' own client
   uses another, so a test can tell who wrote what).
 - ``register_resources(emulator)`` — the discovery entries kopf needs: InferenceService (status and
-  scale subresources), Deployments, Services, PDBs, Pods, Jobs, PersistentVolumeClaims, Events, and — without which kopf
-  discovers the resource but silently never watches it — CRDs and Namespaces.
+  scale subresources), Deployments, Services, PDBs, Pods, Jobs, PersistentVolumeClaims, Events, and —
+  without which kopf discovers the resource but silently never watches it — CRDs and Namespaces.
 - ``write_kubeconfig(path, url)`` — a kubeconfig with a dummy token pointing at the emulator
   (the operator's login handler reads it through KUBECONFIG, as on a laptop).
 - ``operator_runner(*modules)`` — a ``kopf.testing.KopfRunner`` running ``kopf run -A --standalone``

@@ -63,7 +63,8 @@ def download_pod(job: dict, phase: str, port: int | None = None, message: str | 
     state = {"running": {"startedAt": "2026-01-01T00:00:00Z"}} if phase == "Running" else \
         {"terminated": {"exitCode": 3, "reason": "Error", "message": message or ""}}
     return {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": job["metadata"]["name"] + "-x1", "namespace": "default", "labels": tpl["metadata"]["labels"],
+            "metadata": {"name": job["metadata"]["name"] + "-x1", "namespace": "default",
+                         "labels": tpl["metadata"]["labels"],
                          "resourceVersion": "1"},
             "spec": tpl["spec"],
             "status": {"phase": phase, "podIP": "127.0.0.1",

@@ -123,7 +123,8 @@ def serve_and_ask(obj: dict, pins: dict, volume: Path, chat: bool) -> str:
     args[args.index("--port") + 1], args[args.index("--host") + 1] = str(port), "127.0.0.1"
     log = volume / f"server-{port}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvfleet_server.cli", *args], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "kvfleet_server.cli", *args], stdout=out,
+                                stderr=subprocess.STDOUT)
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
         deadline = time.monotonic() + 240
@@ -160,7 +161,7 @@ def test_pinned_needed_files_only_through_hub_and_s3_then_served(fake_hub, smoll
     fake_hub.commit(GGUF_REPO, {gguf_name: Path(bundled_model_path()).read_bytes(), "README.md": b"#"},
                     token=TOKEN, gated=True)
 
-    # --- hf://, shared cache: the operator pins main (c1); then main moves; the Job fetches c1, and only what serving needs
+    # --- hf://, shared cache: the operator pins main (c1), then main moves; the Job fetches c1, only what serving needs
     obj = isvc({"uri": f"hf://{REPO}", "credentialsSecret": "store-secret"}, {"shared": {"size": "1Gi"}})
     pins = pinned(obj)
     assert pins[f"hf://{REPO}"].revision == c1
