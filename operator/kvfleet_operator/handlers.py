@@ -149,7 +149,8 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             raise render.Unrealisable(
                 "ChildConflict", f"{body.get('kind', kind)} {namespace}/{name} exists and is not controlled by "
                                  f"this InferenceService; delete or rename it", retryable=True)
-    plan = await weights.prepare(client, obj, spec, pins, live["deployment"], SERVING_DEFAULTS)
+    plan = await weights.prepare(client, obj, spec, pins, live["deployment"], SERVING_DEFAULTS,
+                                 lambda: _being_deleted(client, namespace, name))
     children = render.with_replicas(render.render(obj, defaults=SERVING_DEFAULTS, pins=plan.serving or pins,
                                                   hf_endpoint=resolve.hf_endpoint()), replicas)
     desired["deployment"] = children.deployment
@@ -201,7 +202,8 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     ready = (st.get_condition(new, st.READY) or {}).get("status") == "True"
     new["conditions"] = st.set_condition(
         new["conditions"], model_status.MODEL_READY,
-        *model_status.condition(downloads, serving_pods, ready, plan.status["revision"]),
+        *model_status.condition(downloads, serving_pods, ready, plan.status["revision"],
+                                per_pod=bool(cache.downloaded(spec)) and spec.model_cache.shared is None),
         now, obj["metadata"].get("generation"))
     return await _write_status(client, obj, new)
 

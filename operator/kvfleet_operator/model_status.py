@@ -128,10 +128,11 @@ def pod_phase(pod: dict[str, Any]) -> str:
 
 
 def condition(downloads: list[Download], serving_pods: list[dict[str, Any]], ready: bool,
-              revision: str | None) -> tuple[bool, str, str]:
+              revision: str | None, per_pod: bool = False) -> tuple[bool, str, str]:
     """(status, reason, message) of ModelReady. ``downloads``: the current generation's; ``ready``: the
     rollout judged Ready (a pod of the current template serves); ``revision``: the pinned revision of
-    spec.model.uri (None if not downloaded)."""
+    spec.model.uri (None if not downloaded); ``per_pod``: each pod downloads in its init container (so
+    before a pod runs one, nothing is "in place")."""
     failed = [d for d in downloads if d.state == "failed"]
     if failed:
         return False, "DownloadFailed", "; ".join(f"{d.source.uri}@{d.revision[:12]}: {d.last_line or d.where}"
@@ -146,4 +147,6 @@ def condition(downloads: list[Download], serving_pods: list[dict[str, Any]], rea
                 if not any(c.get("type") == "Ready" and c.get("status") == "True"
                            for c in (p.get("status") or {}).get("conditions") or [])]
     detail = "; ".join(starting[:3]) if starting else "waiting for pods"
+    if per_pod:
+        return False, "Loading", f"each pod downloads the weights{at} in its init container, then loads them; {detail}"
     return False, "Loading", f"weights in place{at}; {detail}"

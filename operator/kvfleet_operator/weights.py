@@ -25,6 +25,7 @@ garbage collector deletes them (and the Jobs' pods) with it; the cached weights 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,8 +115,11 @@ async def _create(client: kube.KubeClient, api_version: str, plural: str, namesp
 
 async def prepare(client: kube.KubeClient, obj: dict[str, Any], spec: api.InferenceServiceSpec,
                   pins: dict[str, Pin], live_deployment: dict[str, Any] | None,
-                  defaults: render.ServingDefaults) -> Plan:
-    """Keep the claim and the download Jobs of a shared cache (see the module docstring)."""
+                  defaults: render.ServingDefaults, being_deleted: Callable[[], Awaitable[bool]]) -> Plan:
+    """Keep the claim and the download Jobs of a shared cache (see the module docstring).
+
+    ``being_deleted``: asked before creating anything; when the InferenceService is going away (a pass
+    queued behind a deletion), nothing is created and the Deployment is left alone."""
     meta = obj["metadata"]
     name, namespace, uid = meta["name"], meta.get("namespace") or "default", meta.get("uid")
     plan = Plan(pins, pins, model_status(obj, spec, pins))
@@ -134,6 +138,12 @@ async def prepare(client: kube.KubeClient, obj: dict[str, Any], spec: api.Infere
         raise render.Unrealisable("ChildConflict", f"PersistentVolumeClaim {namespace}/{cache.claim_name(name)} exists "
                                                    f"and is not controlled by this InferenceService; delete or rename "
                                                    f"it", retryable=True)
+    names = {j["metadata"]["name"] for j in jobs}
+    missing = live_claim is None or any(cache.job_name(name, s, pins[s.uri]) not in names
+                                        for s in cache.downloaded(spec))
+    if missing and await being_deleted():
+        plan.serving = None
+        return plan
     action, body = apply.plan(want_claim, live_claim)
     if action == "create":
         await _create(client, "v1", "persistentvolumeclaims", namespace, body)

@@ -8,6 +8,7 @@ honoured by the emulator's garbage collection as by a real API server's).
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import pytest
@@ -148,6 +149,8 @@ async def test_one_job_per_revision_then_pods_then_a_new_revision(api, emulator,
         await finish(api, job2)
         await wait_for(lambda: rolled(c2, "32"))
         assert [j["metadata"]["name"] for j in await jobs(api)] == [job2["metadata"]["name"]]
+        live = await model_ready(api, "cached", "Loading", c2[:12])  # the new pods load c2
+        assert not live["metadata"].get("finalizers")  # the progress timer's finalizer went with the download
 
         # deleting the InferenceService deletes its Job and its claim (garbage collection by owner reference)
         await api.delete(AV, PL, "default", "cached")
@@ -156,6 +159,8 @@ async def test_one_job_per_revision_then_pods_then_a_new_revision(api, emulator,
             return await api.get(AV, PL, "default", "cached") is None and not await jobs(api) and \
                 await api.get("v1", "persistentvolumeclaims", "default", "cached-model-cache") is None
         await wait_for(collected)
+        await asyncio.sleep(1)  # a pass queued behind the deletion must not create them again
+        assert await collected()
     assert_operator_never_wrote_spec(emulator.writes)
 
 
