@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from . import model_source
+
 GROUP = "serving.kvfleet.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -24,9 +26,14 @@ SINGULAR = "inferenceservice"
 SHORT_NAMES = ["infsvc"]
 DEFAULT_IMAGE = "ghcr.io/kvfleet/kvfleet-server:0.1.0"  # the operator's fallback (chart: servingImage)
 DEFAULT_PULL_POLICY = "IfNotPresent"
-MODEL_URI_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]+|s3://[a-z0-9][a-z0-9.-]*(/[^\s]*)?|bundled://smollm2)$"
+MODEL_URI_PATTERN = r"^(hf://[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?(/[^\s@]+\.gguf)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]+|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?|bundled://smollm2)$"
 QUANTITY_PATTERN = r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
 DNS1035 = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+#: variables that carry credentials: they belong in the Secret of spec.model.credentialsSecret (the downloader's
+#: environment), never in spec.engine.env (the serving container's)
+CREDENTIAL_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                  "AWS_SESSION_TOKEN")
 # Server flags the operator renders from spec fields (flag -> field; the table of runtime.py). extraArgs may
 # not repeat them (the last occurrence would win: e.g. --port would move the server away from its probes and
 # Service), nor abbreviate them (argparse accepts unique prefixes). Checked by the model validator (render and
@@ -50,21 +57,58 @@ def _check_quantity(value: int | str | None, field: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------- spec
+class S3Location(_Model):
+    """Where an s3:// model's store is (S3, or an S3-compatible store such as MinIO or Ceph)."""
+    endpoint_url: str | None = Field(default=None, max_length=1024, pattern=r"^https?://[^\s]+$",
+                                     description="Endpoint URL of an S3-compatible store (unset: AWS S3).")
+    region: str | None = Field(default=None, min_length=1, max_length=64, pattern=r"^[a-z0-9-]+$",
+                               description="Region of the bucket (unset: the client's default).")
+    addressing_style: Literal["auto", "virtual", "path"] | None = Field(
+        default=None, description="Bucket in the host name (virtual) or in the path (path; most "
+                                  "S3-compatible stores). Unset: auto.")
+
+
+def _check_uri(value: str | None, field: str, role: str = "model") -> str | None:
+    if value is not None:
+        model_source.parse(value, field, role)  # ValueError naming the field and the accepted forms
+    return value
+
+
 class ModelSource(_Model):
     """Where the weights come from and the name clients use."""
     uri: str = Field(
-        description="Model location: hf://ORG/NAME[@REVISION] (downloaded by an init container into the "
-                    "model cache), pvc://CLAIM/PATH (mounted read-only), file:///PATH (a path already inside "
-                    "the serving image), s3://BUCKET/PREFIX (not supported yet: the object is reported "
-                    "Degraded), bundled://smollm2 (the SmolLM2-135M-Instruct GGUF bundled in the CPU image).",
-        pattern=MODEL_URI_PATTERN, max_length=1024)
+        description="Model location: hf://ORG/NAME[@REVISION] (the safetensors, config and tokenizer files), "
+                    "hf://ORG/NAME[@REVISION]/PATH/FILE.gguf (one GGUF file), s3://BUCKET[/PREFIX] (the same "
+                    "files under the prefix, or one .gguf object) — downloaded into the model cache at the "
+                    "revision the operator pins (status.model.revision) —, pvc://CLAIM/PATH (mounted "
+                    "read-only), file:///PATH (a path inside the serving image), bundled://smollm2 (the "
+                    "SmolLM2-135M-Instruct GGUF bundled in the CPU image).",
+        max_length=1024, json_schema_extra={"pattern": MODEL_URI_PATTERN})
     name: str | None = Field(
         default=None, min_length=1, max_length=256,
         description="Served model name (the `model` field clients send). Default: derived from the uri "
                     "(ORG/NAME for hf://, the last path element otherwise).")
     tokenizer: str | None = Field(
-        default=None, min_length=1, max_length=1024,
-        description="Tokenizer to load instead of the model's own (passed as --tokenizer).")
+        default=None, max_length=1024, json_schema_extra={"pattern": MODEL_URI_PATTERN},
+        description="Tokenizer to load instead of the model's own (passed as --tokenizer): a uri like "
+                    "spec.model.uri; from hf:// and s3:// only the tokenizer files are downloaded.")
+    credentials_secret: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN,
+        description="Secret whose keys become the environment of the model download (and only of it: the "
+                    "serving container never gets them): HF_TOKEN for hf://; AWS_ACCESS_KEY_ID, "
+                    "AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) for s3://.")
+    s3: S3Location | None = Field(default=None, description="Endpoint, region and addressing style of s3:// "
+                                                             "uris (the model's, the draft model's, the tokenizer's).")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        return _check_uri(v, "spec.model.uri")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, v: str | None) -> str | None:
+        return _check_uri(v, "spec.model.tokenizer", "tokenizer")
 
 
 #: speculative methods kvfleet-server builds, and vLLM's trained-head methods it refuses by name: the server's
@@ -83,7 +127,7 @@ class SpeculativeConfig(_Model):
     num_speculative_tokens: int | None = Field(
         default=None, ge=1, le=16, description="Tokens proposed per step (1-16). Required with method.")
     draft_model: str | None = Field(
-        default=None, min_length=1, max_length=1024, pattern=MODEL_URI_PATTERN,
+        default=None, min_length=1, max_length=1024, json_schema_extra={"pattern": MODEL_URI_PATTERN},
         description="Draft model uri (same schemes as model.uri). Required for draft_model.")
     prompt_lookup_min: int | None = Field(default=None, ge=1, le=64,
                                           description="ngram: smallest n-gram to match in the prompt.")
@@ -93,6 +137,11 @@ class SpeculativeConfig(_Model):
                                          description="layer_skip: target layers the drafter runs (required).")
     disable_by_batch_size: int | None = Field(
         default=None, ge=1, description="A step with more running sequences than this does not speculate.")
+
+    @field_validator("draft_model")
+    @classmethod
+    def _draft_uri(cls, v: str | None) -> str | None:
+        return _check_uri(v, "spec.engine.speculative.draftModel")
 
     @field_validator("method", mode="before")
     @classmethod
@@ -133,7 +182,7 @@ class EnvKeyRef(_Model):
 
 class EnvSource(_Model):
     """Where an environment variable's value comes from."""
-    secret_key_ref: EnvKeyRef | None = Field(default=None, description="A key of a Secret (e.g. HF_TOKEN).")
+    secret_key_ref: EnvKeyRef | None = Field(default=None, description="A key of a Secret.")
     config_map_key_ref: EnvKeyRef | None = Field(default=None, description="A key of a ConfigMap.")
 
     @model_validator(mode="after")
@@ -144,7 +193,7 @@ class EnvSource(_Model):
 
 
 class EnvVar(_Model):
-    """An environment variable of the server container (and of the model download init container)."""
+    """An environment variable of the server container (and of the model downloads; never a credential)."""
     name: str = Field(description="Variable name.", pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", max_length=256)
     value: str | None = Field(default=None, description="Literal value.", max_length=32768)
     value_from: EnvSource | None = Field(default=None, description="Value from a Secret or ConfigMap key.")
@@ -218,6 +267,10 @@ class EngineConfig(_Model):
                 raise ValueError(f"spec.engine.extraArgs: {arg!r} overrides the rendered flag {flag} "
                                  f"(set {RENDERED_FLAGS[flag]} instead)")
         names = [v.name for v in self.env]
+        secret = sorted(set(names) & set(CREDENTIAL_ENV))
+        if secret:
+            raise ValueError(f"spec.engine.env: {', '.join(secret)} is a credential: put it in the Secret named by "
+                             f"spec.model.credentialsSecret (the model download gets it, the server never does)")
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"spec.engine.env: duplicate names {dup}")
@@ -331,16 +384,38 @@ class EmptyDirCache(_Model):
         return self
 
 
+class SharedCache(_Model):
+    """A model cache the operator creates: one PersistentVolumeClaim per InferenceService, filled once per
+    model revision by a download Job, mounted read-only by every replica."""
+    size: int | str = Field(description="Storage requested (quantity, e.g. 40Gi): the served revision plus the "
+                                        "next one of every downloaded source (docs/operator.md sizes it).",
+                            json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN})
+    storage_class_name: str | None = Field(default=None, min_length=1, max_length=253,
+                                           description="StorageClass of the claim (unset: the cluster's default).")
+    access_mode: Literal["ReadWriteMany", "ReadWriteOnce"] = Field(
+        default="ReadWriteMany", description="ReadWriteMany (a shared file system: replicas on any node) or "
+                                             "ReadWriteOnce (the download and every replica on one node).")
+
+    @model_validator(mode="after")
+    def _quantity(self) -> "SharedCache":
+        _check_quantity(self.size, "spec.modelCache.shared.size")
+        return self
+
+
 class ModelCache(_Model):
-    """Volume that hf:// downloads go to (default: a per-pod emptyDir)."""
+    """Volume that hf:// and s3:// downloads go to (default: a per-pod emptyDir)."""
     persistent_volume_claim: str | None = Field(default=None, pattern=DNS1035.replace("{0,61}", "{0,251}"),
-                                                description="Existing PVC (ReadWriteMany to share across replicas).")
-    empty_dir: EmptyDirCache | None = Field(default=None, description="Per-pod emptyDir cache.")
+                                                description="Existing PVC (ReadWriteMany to share across replicas); "
+                                                            "each pod's init container fills it.")
+    empty_dir: EmptyDirCache | None = Field(default=None, description="Per-pod emptyDir cache; its sizeLimit is "
+                                                                      "also requested as ephemeral-storage.")
+    shared: SharedCache | None = Field(default=None, description="A claim the operator creates and fills once per "
+                                                                 "model revision (download Job); pods start after.")
 
     @model_validator(mode="after")
     def _one(self) -> "ModelCache":
-        if self.persistent_volume_claim is not None and self.empty_dir is not None:
-            raise ValueError("spec.modelCache: set persistentVolumeClaim or emptyDir, not both")
+        if sum(x is not None for x in (self.persistent_volume_claim, self.empty_dir, self.shared)) > 1:
+            raise ValueError("spec.modelCache: set one of persistentVolumeClaim, emptyDir or shared")
         return self
 
 
@@ -453,7 +528,19 @@ class InferenceServiceSpec(_Model):
             if any(a.split("=", 1)[0] == "--kv-events-config" for a in self.engine.extra_args):
                 raise ValueError("spec.engine.extraArgs: --kv-events-config is rendered by "
                                  "spec.routing.inferencePool.endpointPicker.prefixCache precise")
+        stores = {model_source.parse(u, "uri").store for u in self.model_uris()}
+        if self.model.s3 is not None and "s3" not in stores:
+            raise ValueError("spec.model.s3: no s3:// uri uses it")
+        if self.model.credentials_secret is not None and not stores & {"hf", "s3"}:
+            raise ValueError("spec.model.credentialsSecret: nothing is downloaded (no hf:// or s3:// uri)")
+        if self.model_cache.shared is not None and not stores & {"hf", "s3"}:
+            raise ValueError("spec.modelCache.shared: nothing is downloaded (no hf:// or s3:// uri)")
         return self
+
+    def model_uris(self) -> list[str]:
+        """The uris of the model, the draft model and the tokenizer that are set."""
+        sp = self.engine.speculative
+        return [u for u in (self.model.uri, sp.draft_model if sp else None, self.model.tokenizer) if u]
 
     @property
     def gpus(self) -> int:
@@ -462,12 +549,14 @@ class InferenceServiceSpec(_Model):
 
     @property
     def served_model_name(self) -> str:
-        """model.name, or derived from the uri: ORG/NAME for hf://, else the last path element."""
+        """model.name, or derived from the uri: ORG/NAME for hf:// (a .gguf file's too), else the last path
+        element."""
         if self.model.name:
             return self.model.name
-        scheme, rest = self.model.uri.split("://", 1)
-        if scheme == "hf":
-            return rest.split("@", 1)[0]
+        source = model_source.parse(self.model.uri, "spec.model.uri")
+        if source.store == "hf":
+            return source.name
+        rest = self.model.uri.split("://", 1)[1]
         last = rest.rstrip("/").rsplit("/", 1)[-1]
         return last or rest
 
@@ -528,6 +617,10 @@ SPECULATIVE_RULES = [
 ENV_RULES = [  # one env item
     {"rule": "!(has(self.value) && has(self.valueFrom))",
      "message": "spec.engine.env[]: set value or valueFrom, not both", "reason": "FieldValueForbidden"},
+    {"rule": f"!(self.name in {list(CREDENTIAL_ENV)})",
+     "message": "spec.engine.env[]: a credential (HF_TOKEN, AWS keys) belongs in the Secret named by "
+                "spec.model.credentialsSecret: the model download gets it, the server never does",
+     "reason": "FieldValueForbidden"},
 ]
 ENV_SOURCE_RULES = [
     {"rule": "has(self.secretKeyRef) != has(self.configMapKeyRef)",
@@ -535,8 +628,9 @@ ENV_SOURCE_RULES = [
      "reason": "FieldValueInvalid"},
 ]
 MODEL_CACHE_RULES = [
-    {"rule": "!(has(self.persistentVolumeClaim) && has(self.emptyDir))",
-     "message": "spec.modelCache: set persistentVolumeClaim or emptyDir, not both",
+    {"rule": "(has(self.persistentVolumeClaim) ? 1 : 0) + (has(self.emptyDir) ? 1 : 0) + (has(self.shared) ? 1 : 0) "
+             "<= 1",
+     "message": "spec.modelCache: set one of persistentVolumeClaim, emptyDir or shared",
      "reason": "FieldValueForbidden"},
 ]
 
@@ -582,6 +676,26 @@ class RoutingStatus(_Model):
     gateway: str | None = Field(default=None, description="NAMESPACE/NAME of the Gateway the route attaches to.")
 
 
+class ModelSourceStatus(_Model):
+    """One downloaded source and the revision pinned for it."""
+    field: str = Field(description="The spec field naming it (spec.model.uri, spec.engine.speculative.draftModel, "
+                                   "spec.model.tokenizer).", max_length=256)
+    uri: str = Field(description="Its uri.", max_length=1024)
+    revision: str = Field(description="Commit (hf://) or ETag digest (s3://) every replica fetches.", max_length=256)
+
+
+class ModelStatus(_Model):
+    """The model served and the revisions pinned for this generation."""
+    name: str | None = Field(default=None, max_length=256, description="Served model name.")
+    revision: str | None = Field(default=None, max_length=256,
+                                 description="Commit (hf://) or ETag digest (s3://) of spec.model.uri pinned for "
+                                             "this generation; unset for pvc://, file://, bundled://.")
+    generation: int | None = Field(default=None, ge=0, description="metadata.generation the revisions were "
+                                                                   "resolved for (once per generation).")
+    sources: list[ModelSourceStatus] = Field(default_factory=list, max_length=8,
+                                             description="Every downloaded source with its pinned revision.")
+
+
 class InferenceServiceStatus(_Model):
     """Observed state, written by the operator through the status subresource."""
     observed_generation: int | None = Field(default=None, ge=0,
@@ -597,6 +711,6 @@ class InferenceServiceStatus(_Model):
                                                      "autoscaler's decision).")
     selector: str | None = Field(default=None, description="Label selector of the pods (scale subresource).")
     url: str | None = Field(default=None, description="OpenAI base URL inside the cluster: http://NAME.NAMESPACE.svc:PORT/v1.")
-    model: str | None = Field(default=None, description="Served model name.")
+    model: ModelStatus | None = Field(default=None, description="Served model name and pinned revisions.")
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")
     routing: RoutingStatus | None = Field(default=None, description="The InferencePool and route, with spec.routing.")

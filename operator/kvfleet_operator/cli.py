@@ -66,7 +66,7 @@ class _PlainDumper(yaml.SafeDumper):
 
 
 def _render(args: argparse.Namespace) -> int:
-    from . import admission, render, strict
+    from . import admission, cache, model_source, render, strict
 
     try:
         text = sys.stdin.read() if args.file == "-" else open(args.file, encoding="utf-8").read()
@@ -115,9 +115,17 @@ def _render(args: argparse.Namespace) -> int:
         if children.routing is not None:
             out += [getattr(children.routing, field) for field, _, _ in routing.KINDS
                     if getattr(children.routing, field) is not None]
+        spec = render.parse_spec(doc)
+        claim = cache.claim(doc, spec, None)  # a shared model cache: its claim and one download Job per source
+        if claim is not None:
+            dl = render.downloader(spec, defaults)
+            out += [claim] + [cache.download_job(doc, spec, s, model_source.unpinned(s), dl, [], None,
+                                                 render.pod_security_context()) for s in cache.downloaded(spec)]
     if out:
         sys.stdout.write("# Rendered by `kvfleet-operator render`; in a cluster each object also gets an\n"
-                         "# ownerReference to its InferenceService.\n")
+                         "# ownerReference to its InferenceService, and hf:// / s3:// models are pinned to the\n"
+                         "# commit (ETag digest) the operator resolves (status.model.revision) instead of the\n"
+                         "# revision asked for.\n")
         sys.stdout.write(yaml.dump_all(out, Dumper=_PlainDumper, sort_keys=False, width=120))
     return 2 if failed else 0
 

@@ -163,12 +163,14 @@ def openapi_schema() -> dict[str, Any]:
 
 
 PRINTER_COLUMNS = [
-    {"name": "Model", "type": "string", "jsonPath": ".status.model", "description": "Served model name."},
+    {"name": "Model", "type": "string", "jsonPath": ".status.model.name", "description": "Served model name."},
     {"name": "TP", "type": "integer", "jsonPath": ".spec.engine.tensorParallelSize",
      "description": "Tensor parallel size."},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas", "description": "Pods."},
     {"name": "Ready", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Ready\")].status",
      "description": "Ready condition."},
+    {"name": "Weights", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"ModelReady\")].reason",
+     "description": "ModelReady reason: Downloading, Loading, Ready or DownloadFailed (the message has the bytes)."},
     {"name": "Reason", "type": "string", "jsonPath": ".status.conditions[?(@.type==\"Degraded\")].reason",
      "description": "Degraded reason: ReconcileSucceeded, or why the spec or the pods fail (CrashLoopBackOff, ...)."},
     {"name": "URL", "type": "string", "jsonPath": ".status.url", "description": "OpenAI base URL in the cluster."},

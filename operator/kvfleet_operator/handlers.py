@@ -1,7 +1,8 @@
 """kopf handlers: thin glue around read -> render -> apply -> status.
 
 Triggers: an InferenceService is created, its spec/metadata changes, or the operator (re)starts
-(resume); an owned Deployment/Service/PodDisruptionBudget/InferencePool/HTTPRoute changes or is deleted (the event names
+(resume); an owned Deployment/Service/PodDisruptionBudget/InferencePool/HTTPRoute/model-download Job changes
+or is deleted (every ``weights.PROGRESS_INTERVAL_S`` while a model downloads, for its progress) (the event names
 its controller InferenceService, which is then reconciled); a serving pod starts or stops failing
 (its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``); a
 Warning Event says a pod's volume does not attach or mount (``FailedAttachVolume`` such as
@@ -15,11 +16,13 @@ the API server). One pass (``reconcile``), under the object's lock:
    the API server's version (``strict``: an unknown field in ``scheduling.affinity`` is named by its
    path); a spec that cannot be realised -> status Degraded=True with reason and message, no child
    touched, ``kopf.PermanentError`` (no retry until the spec changes);
+   the hf:// and s3:// model sources are pinned once per generation (``weights.pin_sources``);
 2. read the live children; one that exists but is controlled by something else, or is not labelled
    as this InferenceService's, is a conflict (Degraded ``ChildConflict``, retried with backoff so
    that removing the object in the way is enough) — the operator never takes over objects it did
    not create; orphans it did create (``--cascade=orphan``) are adopted;
-3. create or three-way merge-patch each child (``apply``; ``fieldValidation=Strict``), delete the PDB
+3. keep the model cache (``weights.prepare``: a shared cache's claim and download Jobs; the Deployment
+   is neither created nor moved to new weights before they are downloaded); create or three-way merge-patch each child (``apply``; ``fieldValidation=Strict``), delete the PDB
    when no longer wanted; a child the API server refuses as invalid (422, e.g. a value only it checks) is
    Degraded ``ChildInvalid`` with the server's message, permanent like an unrealisable spec; any
    other refusal (a full Service IP range, a quota's 403, a 500) is retried with backoff and, from
@@ -29,7 +32,8 @@ the API server). One pass (``reconcile``), under the object's lock:
 4. list the serving pods (and the Warning Events of those still Pending): one that crash-loops, was
    OOM-killed, cannot pull its image, cannot mount a volume or cannot be scheduled makes
    Degraded=True with the reason and message; so does the Deployment's ReplicaFailure
-   (``FailedCreate``: quota, admission webhook, Pod Security);
+   (``FailedCreate``: quota, admission webhook, Pod Security); a failed download makes Degraded=True too, and ModelReady says Downloading (bytes) / Loading / Ready
+   (``model_status``);
 5. write the status subresource only when it changed.
 
 API errors raise ``kopf.TemporaryError`` with exponential backoff (1, 2, 4 … 60 s). The
@@ -52,7 +56,8 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, kube, memory, metrics, peering, pods, render, routing, routing_sync, strict
+from . import api, apply, cache, kube, memory, metrics, model_status, peering, pods, render, resolve, routing, \
+    routing_sync, strict, weights
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -80,7 +85,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
     # watch only the operator's own children (server-side filter; big clusters have many Deployments)
     for selector in (("apps", "v1", "deployments"), ("v1", "services"), ("policy", "v1", "poddisruptionbudgets"),
                      ("v1", "pods"), ("inference.networking.k8s.io", "v1", "inferencepools"),
-                     ("gateway.networking.k8s.io", "v1", "httproutes")):
+                     ("gateway.networking.k8s.io", "v1", "httproutes"), ("batch", "v1", "jobs")):
         settings.watching.label_selectors[selector] = MANAGED
     settings.watching.field_selectors[("v1", "events")] = POD_WARNINGS
 
@@ -183,13 +188,13 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     spec = render.parse_spec(obj)
     version = strict.kubernetes_version(await client.server_version())  # the children's schema
     children = render.render(obj, defaults=SERVING_DEFAULTS, routing_defaults=ROUTING_DEFAULTS,
-                             kubernetes_version=version)  # Unrealisable first
+                             kubernetes_version=version)  # Unrealisable first, before any request
+    pins = await weights.pin_sources(obj, spec)  # once per generation; Unrealisable names the field
     uid = obj["metadata"].get("uid")
     live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
     live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \
         if spec.autoscaling.enabled else None
     replicas = render.desired_replicas(spec, live_replicas, (obj.get("status") or {}).get("desiredReplicas"))
-    children = render.with_replicas(children, replicas)
     desired = {"deployment": children.deployment, "service": children.service, "pdb": children.pdb}
     ours = {kind: body is not None and (apply.controlled_by(body, uid) or apply.adoptable(body, render.OWNER_LABEL, name))
             for kind, body in live.items()}
@@ -198,12 +203,21 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             raise render.Unrealisable(
                 "ChildConflict", f"{body.get('kind', kind)} {namespace}/{name} exists and is not controlled by "
                                  f"this InferenceService; delete or rename it", retryable=True)
+    plan = await weights.prepare(client, obj, spec, pins, live["deployment"], SERVING_DEFAULTS,
+                                 lambda: _being_deleted(client, namespace, name))
+    children = render.with_replicas(render.render(
+        obj, defaults=SERVING_DEFAULTS, routing_defaults=ROUTING_DEFAULTS, kubernetes_version=version,
+        pins=plan.serving or pins, hf_endpoint=resolve.hf_endpoint()), replicas)
+    desired = {"deployment": children.deployment, "service": children.service, "pdb": children.pdb}
     result: dict[str, Any] = {}
     template_written = False
     failure: tuple[str, str] | None = None  # (reason, message) of the first child write refused
     error: kube.ApiError | None = None
     for kind, av, plural in CHILDREN:
         want, have = desired[kind], live[kind]
+        if kind == "deployment" and plan.serving is None:  # its weights are still downloading: leave it as it is
+            result[kind] = have
+            continue
         action, body = ("delete", None) if want is None else apply.plan(want, have)
         if want is None and (have is None or not ours[kind]):
             continue
@@ -243,13 +257,22 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                            for k, v in render.selector_labels(name).items())]
     events = [e for pod in pods.starting_pods(serving_pods)
               for e in await client.list("v1", "events", namespace, field_selector=pods.event_selector(pod))]
+    downloads = await weights.observe(client, obj, spec, plan, serving_pods)
     old_degraded = st.get_condition(obj.get("status"), st.DEGRADED) or {}
     report = failure is not None and (retry >= CHILD_FAILURE_REPORTED_AT_RETRY or
                                       old_degraded.get("reason") in CHILD_WRITE_REASONS)
-    problem = (failure if report else None) or pods.pod_problem(serving_pods, events)
+    problem = (failure if report else None) or model_status.download_problem(downloads, spec) \
+        or pods.pod_problem(serving_pods, events)
+    now = st.now_rfc3339()
     new = st.compute_status(obj, result.get("deployment"), replicas,
-                            render.service_url(name, namespace, spec.service.port), spec.served_model_name,
-                            selector, st.now_rfc3339(), spec.autoscaling.enabled, template_written, problem)
+                            render.service_url(name, namespace, spec.service.port), plan.status,
+                            selector, now, spec.autoscaling.enabled, template_written, problem)
+    ready = (st.get_condition(new, st.READY) or {}).get("status") == "True"
+    new["conditions"] = st.set_condition(
+        new["conditions"], model_status.MODEL_READY,
+        *model_status.condition(downloads, serving_pods, ready, plan.status["revision"],
+                                per_pod=bool(cache.downloaded(spec)) and spec.model_cache.shared is None),
+        now, obj["metadata"].get("generation"))
     old_routing = (obj.get("status") or {}).get("routing")
     if routed is not None or old_routing is not None:
         new["routing"] = routing_sync.status_value(old_routing, routed)
@@ -257,6 +280,13 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     if error is not None:
         raise error
     return written
+
+
+async def _being_deleted(client: kube.KubeClient, namespace: str, name: str) -> bool:
+    """Whether the InferenceService is gone or has a deletionTimestamp *now* (``weights.prepare`` asks
+    before it creates a claim or a download Job for an object queued behind the lock)."""
+    fresh = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
+    return fresh is None or bool(fresh.get("metadata", {}).get("deletionTimestamp"))
 
 
 async def _write_status(client: kube.KubeClient, obj: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -328,10 +358,13 @@ def _pods_matter(pod: dict[str, Any]) -> Callable[[dict[str, Any]], bool]:
 @kopf.on.event("", "v1", "pods", labels=CHILD_FILTER)
 async def pod_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """A serving pod changed: a failure (crash loop, OOM kill, image pull, unschedulable) reaches the
-    owner's status within one reconcile, and so does its recovery."""
+    owner's status within one reconcile, and so does its recovery. A model-download pod's changes (it
+    starts, finishes, fails: a few per download) always do: ModelReady follows them."""
     meta = body.get("metadata", {})
-    owner = (meta.get("labels") or {}).get(render.OWNER_LABEL)
-    await _child_event(meta.get("namespace"), owner, logger, only_if=_pods_matter(plain_copy(body)))
+    labels = meta.get("labels") or {}
+    download = labels.get("app.kubernetes.io/component") == cache.DOWNLOAD_COMPONENT
+    await _child_event(meta.get("namespace"), labels.get(render.OWNER_LABEL), logger,
+                       only_if=None if download else _pods_matter(plain_copy(body)))
 
 
 def _volume_warning(body: kopf.Body, **_: Any) -> bool:
@@ -379,6 +412,24 @@ async def deployment_event(body: kopf.Body, logger: logging.Logger, **_: Any) ->
 async def service_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """An owned Service changed or was deleted: reconcile its owner."""
     await _child_event(*_controller(body), logger)
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=CHILD_FILTER)
+async def job_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """An owned model-download Job changed (started, succeeded, failed, deleted): reconcile its owner, which
+    creates or moves the Deployment once the weights are there."""
+    await _child_event(*_controller(body), logger)
+
+
+@kopf.timer(api.GROUP, api.VERSION, api.PLURAL, id="model-progress", interval=weights.PROGRESS_INTERVAL_S,
+            when=weights.downloading)
+async def model_progress(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """While ModelReady says Downloading, reconcile every PROGRESS_INTERVAL_S: its message follows the bytes."""
+    meta = body.get("metadata", {})
+    try:
+        await reconcile(meta.get("namespace") or "default", meta["name"], logger)
+    except (Degraded, kube.ApiError) as exc:  # reported in the status, or retried at the next tick
+        logger.debug(f"progress reconcile: {exc}")
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_FILTER)

@@ -17,24 +17,23 @@ Every child is checked against the strict Kubernetes schema (``strict``) before 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from decimal import Decimal
-from typing import Any
+from typing import Any, Mapping
 
 import pydantic
 from kvfleet_server.cli import FlagError, parse_flags, threads_for_cpus
 from kvfleet_server.errors import UnsupportedFeatureError
 
-from . import api, routing, runtime, strict
+from . import api, cache, routing, runtime, strict
 from .apply import quantity
+from .model_source import Pin
 
 MANAGED_BY = "kvfleet-operator"
 SERVER_CONTAINER = "kvfleet-server"  # the server container's name, whatever the runtime (tools find it by name)
 HTTP_PORT_NAME = "http"
-MODEL_ROOT = "/models"
 PRESTOP_SLEEP_SECONDS = 5
 TERMINATION_MARGIN_SECONDS = 10
 STARTUP_MAX_PERIOD_SECONDS = 10
@@ -42,10 +41,6 @@ RUN_AS_USER = 1000
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 NAME_LABEL = "app.kubernetes.io/name"
 OWNER_LABEL = "serving.kvfleet.dev/inferenceservice"
-HF_DOWNLOAD = (
-    "import sys; from huggingface_hub import snapshot_download; "
-    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])"
-)
 
 
 @dataclass(frozen=True)
@@ -188,63 +183,17 @@ def with_replicas(children: "Children", replicas: int) -> "Children":
     return replace(children, deployment={**dep, "spec": {**dep["spec"], "replicas": replicas}})
 
 
-# --------------------------------------------------------------------------------- model sources
-@dataclass
-class _Mounts:
-    volumes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    mounts: dict[str, dict[str, Any]] = field(default_factory=dict)
-    downloads: list[tuple[str, str, str]] = field(default_factory=list)  # (repo, revision, dir)
-
-
-def _cache_volume(spec: api.InferenceServiceSpec) -> dict[str, Any]:
-    cache = spec.model_cache
-    if cache.persistent_volume_claim:
-        return {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim}}
-    empty: dict[str, Any] = {}
-    if cache.empty_dir is not None and cache.empty_dir.size_limit is not None:
-        empty["sizeLimit"] = str(cache.empty_dir.size_limit)
-    return {"name": "model-cache", "emptyDir": empty}
-
-
-def _resolve(uri: str, spec: api.InferenceServiceSpec, m: _Mounts, what: str) -> str:
-    """Map a model uri to the path kvfleet-server loads, adding the volumes it needs."""
-    scheme, rest = uri.split("://", 1)
-    if scheme == "hf":
-        repo, _, revision = rest.partition("@")
-        revision = revision or "main"
-        target = f"{MODEL_ROOT}/hf/{repo}/{revision}"
-        m.volumes["model-cache"] = _cache_volume(spec)
-        m.mounts["model-cache"] = {"name": "model-cache", "mountPath": MODEL_ROOT}
-        if (repo, revision, target) not in m.downloads:
-            m.downloads.append((repo, revision, target))
-        return target
-    if scheme == "pvc":
-        claim, _, path = rest.partition("/")
-        vol = f"pvc-{claim}"  # a volume name is a DNS-1123 label: long claim names get a hash (no collisions)
-        vol = vol if len(vol) <= 63 else f"pvc-{hashlib.sha256(claim.encode()).hexdigest()[:20]}"
-        mount = f"{MODEL_ROOT}/pvc/{claim}"
-        m.volumes[vol] = {"name": vol, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        m.mounts[vol] = {"name": vol, "mountPath": mount, "readOnly": True}
-        return f"{mount}/{path}".rstrip("/") if path else mount
-    if scheme == "file":
-        return rest  # file:///abs/path -> /abs/path, a path inside the serving image
-    if scheme == "bundled":
-        return rest  # bundled://smollm2 -> `--model smollm2`, the GGUF bundled in the CPU image
-    raise Unrealisable("UnsupportedModelURI",
-                       f"{what}: not supported yet: {scheme}:// model URIs ({uri}); copy the weights to a "
-                       f"PersistentVolumeClaim and use pvc://CLAIM/PATH, or use hf://ORG/NAME")
-
-
-def server_args(spec: api.InferenceServiceSpec, model_path: str, draft_path: str | None) -> list[str]:
+def server_args(spec: api.InferenceServiceSpec, paths: Mapping[str, str]) -> list[str]:
     """Server flags for every engine field (vLLM's flag names, kvfleet-server's form: ``--model`` first),
-    then extraArgs; ``container_args`` turns them into the runtime's arguments."""
+    then extraArgs; ``container_args`` turns them into the runtime's arguments. ``paths``: the path the
+    server loads for each model uri (``cache.PodStorage.paths``)."""
     e = spec.engine
     gpu = spec.gpus > 0
-    args = ["--model", model_path, "--served-model-name", spec.served_model_name,
+    args = ["--model", paths[spec.model.uri], "--served-model-name", spec.served_model_name,
             "--host", "0.0.0.0", "--port", str(spec.service.port),
             "--device", "cuda" if gpu else "cpu", "--dtype", e.dtype]
     if spec.model.tokenizer:
-        args += ["--tokenizer", spec.model.tokenizer]
+        args += ["--tokenizer", paths[spec.model.tokenizer]]
     args += ["--block-size", str(e.block_size)]
     if gpu:
         args += ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
@@ -261,8 +210,8 @@ def server_args(spec: api.InferenceServiceSpec, model_path: str, draft_path: str
         cfg: dict[str, Any] = {"method": "draft_model" if sp.method == "draft" else sp.method}
         if sp.num_speculative_tokens is not None:
             cfg["num_speculative_tokens"] = sp.num_speculative_tokens
-        if draft_path is not None:
-            cfg["model"] = draft_path
+        if sp.draft_model:
+            cfg["model"] = paths[sp.draft_model]
         if sp.prompt_lookup_min is not None:
             cfg["prompt_lookup_min"] = sp.prompt_lookup_min
         if sp.prompt_lookup_max is not None:
@@ -401,22 +350,49 @@ def _meta(obj: dict[str, Any], kind_labels: dict[str, str]) -> dict[str, Any]:
     return out
 
 
-def _security_context() -> dict[str, Any]:
+def container_security_context() -> dict[str, Any]:
+    """The restricted security context of every container the operator renders (server and downloads)."""
     return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "runAsNonRoot": True,
             "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def pod_security_context() -> dict[str, Any]:
+    """Pod security context of the serving pods and download Jobs. OnRootMismatch: no recursive chown of
+    a large model-cache volume at every pod start."""
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+            "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def downloader(spec: api.InferenceServiceSpec, defaults: "ServingDefaults",
+               hf_endpoint: str | None = None) -> cache.Downloader:
+    """How this spec's download containers run: kvfleet's serving image (it ships ``kvfleet-download``;
+    with runtime vllm the operator's kvfleet image, since the vLLM image has no downloader),
+    engine.env (credentials come only from spec.model.credentialsSecret), the Hub the operator resolved
+    against."""
+    e = spec.engine
+    env = [v.model_dump(by_alias=True, exclude_none=True) for v in e.env]
+    names = {v["name"] for v in env}
+    env += [{"name": k, "value": v} for k, v in (("HOME", "/tmp"), ("HF_HOME", "/tmp/.hf-home")) if k not in names]
+    own = e.runtime == runtime.KVFLEET
+    return cache.Downloader((e.image if own else None) or defaults.image,
+                            (e.image_pull_policy if own else None) or defaults.pull_policy, env,
+                            hf_endpoint, container_security_context())
 
 
 def render(obj: dict[str, Any], replicas: int | None = None,
            defaults: ServingDefaults = ServingDefaults(),
            routing_defaults: routing.RoutingDefaults = routing.RoutingDefaults(),
-           kubernetes_version: str = strict.NEWEST) -> Children:
+           kubernetes_version: str = strict.NEWEST, pins: Mapping[str, Pin] | None = None,
+           hf_endpoint: str | None = None) -> Children:
     """Render the children of InferenceService ``obj``.
 
     replicas: the Deployment's replica count (see ``desired_replicas``); None means
     ``desired_replicas(spec, None, status.desiredReplicas)``. defaults: what the spec leaves to the
     operator (image, pull policy, per-GPU sizing); routing_defaults: the endpoint picker image.
     kubernetes_version: the children are checked against this version's strict schema
-    (``strict.kubernetes_version`` of the API server's).
+    (``strict.kubernetes_version`` of the API server's). pins: the revision of each downloaded model
+    uri (``weights`` resolves them; unpinned sources are rendered at the revision asked for),
+    hf_endpoint: the Hub they were resolved against.
     Raises Unrealisable: InvalidSpec naming the spec field (an unknown field in scheduling.affinity
     is ``spec.scheduling.affinity.FIELD: unknown field``), ChildInvalid for a rendered field no
     spec field maps to."""
@@ -425,29 +401,24 @@ def render(obj: dict[str, Any], replicas: int | None = None,
     if replicas is None:
         replicas = desired_replicas(spec, None, (obj.get("status") or {}).get("desiredReplicas"))
     labels = common_labels(name)
-    mounts = _Mounts()
-    model_path = _resolve(spec.model.uri, spec, mounts, "spec.model.uri")
-    sp = spec.engine.speculative
-    draft_path = _resolve(sp.draft_model, spec, mounts, "spec.engine.speculative.draftModel") \
-        if sp is not None and sp.draft_model else None
+    dl = downloader(spec, defaults, hf_endpoint)
+    storage = cache.pod_storage(obj, spec, pins, dl)
     e = spec.engine
-    args = container_args(spec, server_args(spec, model_path, draft_path) + routing.server_args(spec))
+    args = container_args(spec, server_args(spec, storage.paths) + routing.server_args(spec))
     server = runtime.RUNTIMES[e.runtime]
     image, pull_policy = e.image or defaults.image_for(e.runtime), e.image_pull_policy or defaults.pull_policy
 
-    env = [v.model_dump(by_alias=True, exclude_none=True) for v in e.env]
-    env_names = {v["name"] for v in env}
-    hf_home = f"{MODEL_ROOT}/.hf-home" if mounts.downloads else "/tmp/.hf-home"
-    env += [{"name": k, "value": v} for k, v in (("HOME", "/tmp"), ("HF_HOME", hf_home)) if k not in env_names]
-    env += routing.server_env(spec)
-    volumes = [{"name": "tmp", "emptyDir": {}}] + list(mounts.volumes.values())
-    volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}] + list(mounts.mounts.values())
+    env = dl.env + routing.server_env(spec)  # engine.env, HOME, HF_HOME: never a credential (api refuses them)
+    volumes = [{"name": "tmp", "emptyDir": {}}] + storage.volumes
+    volume_mounts = [{"name": "tmp", "mountPath": "/tmp"}] + storage.mounts
     shm = shm_size(spec, defaults)
     if shm is not None:  # the tensor-parallel workers' NCCL / torch.distributed buffers
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory",
                                                      "sizeLimit": format_quantity(shm, binary=True)}})
         volume_mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     resources = container_resources(spec, defaults, shm)
+    if storage.ephemeral_storage is not None:  # the emptyDir model cache: the scheduler must see that disk
+        resources.setdefault("requests", {})["ephemeral-storage"] = storage.ephemeral_storage
 
     period, failures = startup_probe_timing(spec.probes.startup_timeout_seconds)
     health = {"path": "/health", "port": HTTP_PORT_NAME}
@@ -467,37 +438,24 @@ def render(obj: dict[str, Any], replicas: int | None = None,
         "readinessProbe": {"httpGet": health, "periodSeconds": 5, "failureThreshold": 2, "timeoutSeconds": 2},
         "livenessProbe": {"httpGet": health, "periodSeconds": 10, "failureThreshold": 6, "timeoutSeconds": 5},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
-        "securityContext": _security_context(),
+        "securityContext": container_security_context(),
         # the server's last stderr line ("not supported yet: ...") reaches status and `kubectl get infsvc`
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
-    init_containers = [{
-        "name": f"model-download-{i}" if i else "model-download",
-        "image": image,
-        "imagePullPolicy": pull_policy,
-        "command": [server.python, "-c", HF_DOWNLOAD, repo, revision, target],
-        "env": env,
-        "volumeMounts": volume_mounts,
-        "securityContext": _security_context(),
-    } for i, (repo, revision, target) in enumerate(mounts.downloads)]
-
     sched = spec.scheduling
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,  # a Service named like the server would inject *_PORT env vars
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        # OnRootMismatch: no recursive chown of a large model-cache PVC at every pod start
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
-                            "fsGroup": RUN_AS_USER, "fsGroupChangePolicy": "OnRootMismatch",
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": pod_security_context(),
         "containers": [container],
         "volumes": volumes,
     }
     spread = spread_constraints(spec, name)
     if spread:
         pod_spec["topologySpreadConstraints"] = spread
-    if init_containers:
-        pod_spec["initContainers"] = init_containers
+    if storage.init_containers:
+        pod_spec["initContainers"] = storage.init_containers
     if spec.service_account_name:
         pod_spec["serviceAccountName"] = spec.service_account_name
     if spec.image_pull_secrets:
@@ -516,7 +474,8 @@ def render(obj: dict[str, Any], replicas: int | None = None,
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(obj, labels),
+        "metadata": {**_meta(obj, labels), **({"annotations": cache.revisions_annotation(storage)}
+                                               if storage.revisions else {})},
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector_labels(name)},

@@ -41,18 +41,18 @@ class Runtime:
     Attributes:
         name: the ``spec.engine.runtime`` value.
         command: the container command; the arguments follow (``command_args``).
-        python: the image's Python interpreter, which runs the hf:// download init container.
+
+    Model downloads run kvfleet's ``kvfleet-download`` in kvfleet's serving image whatever the runtime
+    (``render.downloader``).
     """
 
     name: str
     command: tuple[str, ...]
-    python: str
 
 
 RUNTIMES = {
-    KVFLEET: Runtime(KVFLEET, ("kvfleet-server",), "python"),
-    # the vLLM image installs python3 only (docker/Dockerfile: update-alternatives for python3)
-    VLLM: Runtime(VLLM, ("vllm", "serve"), "python3"),
+    KVFLEET: Runtime(KVFLEET, ("kvfleet-server",)),
+    VLLM: Runtime(VLLM, ("vllm", "serve")),
 }
 BOTH = frozenset(RUNTIMES)
 KVFLEET_ONLY = frozenset({KVFLEET})

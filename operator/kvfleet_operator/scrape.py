@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ class ScrapeResult:
     """The outcome for one target: ``metrics`` on success, else ``None`` and ``error``."""
 
     name: str
-    metrics: PodMetrics | None
+    metrics: Any  # what ``parse`` returned (PodMetrics by default); None on failure
     error: str | None = None
 
 
@@ -84,14 +84,16 @@ def pod_metrics_url(pod: Mapping[str, Any], port_name: str = HTTP_PORT_NAME,
                     path: str = "/metrics") -> str | None:
     """The metrics URL of a Pod object: ``status.podIP`` and the port its containers declare.
 
-    Takes the containerPort named ``port_name``, else the first declared TCP containerPort.
+    Takes the containerPort named ``port_name`` (of a container, else of an init container: the model
+    download's progress), else the first declared TCP containerPort.
     Returns None when the pod has no IP yet or declares no port.
     """
     ip = (pod.get("status") or {}).get("podIP")
     if not ip:
         return None
-    ports = [p for c in (pod.get("spec") or {}).get("containers") or [] for p in c.get("ports") or []
-             if p.get("protocol", "TCP") == "TCP" and p.get("containerPort")]
+    spec = pod.get("spec") or {}
+    ports = [p for c in (spec.get("containers") or []) + (spec.get("initContainers") or [])
+             for p in c.get("ports") or [] if p.get("protocol", "TCP") == "TCP" and p.get("containerPort")]
     if not ports:
         return None
     port = next((p for p in ports if p.get("name") == port_name), ports[0])["containerPort"]
@@ -99,9 +101,10 @@ def pod_metrics_url(pod: Mapping[str, Any], port_name: str = HTTP_PORT_NAME,
     return f"http://{host}:{int(port)}{path}"
 
 
-async def scrape_one(client: httpx.AsyncClient, target: ScrapeTarget,
-                     timeout: float = DEFAULT_TIMEOUT_SECONDS) -> ScrapeResult:
-    """GET one target's metrics; never raises for network, HTTP or parse failures."""
+async def scrape_one(client: httpx.AsyncClient, target: ScrapeTarget, timeout: float = DEFAULT_TIMEOUT_SECONDS,
+                     parse: Callable[[str], Any] = parse_metrics) -> ScrapeResult:
+    """GET one target's metrics and ``parse`` them (default: the autoscaling gauges); never raises for
+    network, HTTP or parse failures."""
     try:
         async with asyncio.timeout(timeout):
             async with client.stream("GET", target.url, timeout=timeout) as resp:
@@ -114,7 +117,7 @@ async def scrape_one(client: httpx.AsyncClient, target: ScrapeTarget,
                         return ScrapeResult(target.name, None,
                                             f"body larger than {MAX_BODY_BYTES} bytes")
         text = body.decode("utf-8", errors="replace")
-        return ScrapeResult(target.name, parse_metrics(text))
+        return ScrapeResult(target.name, parse(text))
     except (TimeoutError, asyncio.TimeoutError):
         return ScrapeResult(target.name, None, f"timed out after {timeout:g}s")
     except httpx.HTTPError as e:
@@ -124,7 +127,8 @@ async def scrape_one(client: httpx.AsyncClient, target: ScrapeTarget,
 
 
 async def scrape_all(targets: Sequence[ScrapeTarget], timeout: float = DEFAULT_TIMEOUT_SECONDS,
-                     client: httpx.AsyncClient | None = None) -> list[ScrapeResult]:
+                     client: httpx.AsyncClient | None = None,
+                     parse: Callable[[str], Any] = parse_metrics) -> list[ScrapeResult]:
     """Scrape every target concurrently; results in the order of ``targets``.
 
     ``timeout`` (seconds) bounds each pod separately, so the whole call takes about one timeout at
@@ -133,7 +137,7 @@ async def scrape_all(targets: Sequence[ScrapeTarget], timeout: float = DEFAULT_T
     if not targets:
         return []
     if client is not None:
-        return list(await asyncio.gather(*(scrape_one(client, t, timeout) for t in targets)))
+        return list(await asyncio.gather(*(scrape_one(client, t, timeout, parse) for t in targets)))
     limits = httpx.Limits(max_connections=max(len(targets), 1), max_keepalive_connections=0)
     async with httpx.AsyncClient(limits=limits, trust_env=False) as own:
-        return list(await asyncio.gather(*(scrape_one(own, t, timeout) for t in targets)))
+        return list(await asyncio.gather(*(scrape_one(own, t, timeout, parse) for t in targets)))

@@ -100,14 +100,16 @@ def replica_failure(deployment: dict[str, Any] | None) -> tuple[str, str] | None
 
 
 def compute_status(obj: dict[str, Any], deployment: dict[str, Any] | None, desired: int, url: str,
-                   model: str, selector: str, now: str, autoscaling: bool,
+                   model: dict[str, Any], selector: str, now: str, autoscaling: bool,
                    template_written: bool = True, problem: tuple[str, str] | None = None) -> dict[str, Any]:
     """The status the reconcile owns, from one fresh read of the InferenceService ``obj`` (its
     status as last written) and of the live Deployment after apply (``template_written``: this pass
-    created the Deployment or patched its pod template; see ``rollout``).
+    created the Deployment or patched its pod template; see ``rollout``), and status.model
+    (``weights.model_status``).
 
     ``problem`` (reason, message): a child the API server would not create or update
-    (``ChildCreateFailed``/``ChildUpdateFailed``) or a serving pod's failure (``pods.pod_problem``).
+    (``ChildCreateFailed``/``ChildUpdateFailed``), a serving pod's failure (``pods.pod_problem``) or the
+    model download's.
     Degraded=True takes, in this order: ``problem``, the Deployment's ReplicaFailure (``FailedCreate``:
     quota, admission), ProgressDeadlineExceeded; Ready and Progressing keep the rollout's view (old
     pods may still serve). The condition clears when none holds. desiredReplicas is written only when

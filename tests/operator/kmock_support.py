@@ -7,8 +7,8 @@ Pieces (reused by the autoscaler's tests):
   Authorization header (the operator's kubeconfig token is ``OPERATOR_TOKEN``; the tests' own client
   uses another, so a test can tell who wrote what).
 - ``register_resources(emulator)`` — the discovery entries kopf needs: InferenceService (status and
-  scale subresources), Deployments, Services, PDBs, Pods, Events, and — without which kopf
-  discovers the resource but silently never watches it — CRDs and Namespaces.
+  scale subresources), Deployments, Services, PDBs, Pods, Jobs, PersistentVolumeClaims, Events, and —
+  without which kopf discovers the resource but silently never watches it — CRDs and Namespaces.
 - ``write_kubeconfig(path, url)`` — a kubeconfig with a dummy token pointing at the emulator
   (the operator's login handler reads it through KUBECONFIG, as on a laptop).
 - ``operator_runner(*modules)`` — a ``kopf.testing.KopfRunner`` running ``kopf run -A --standalone``
@@ -87,11 +87,14 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
     incremented when a write changes ``spec``; the status subresource accepting only ``status``
     (and the main resource ignoring ``status`` changes, as for CRDs with a status subresource);
     ``labelSelector`` and equality-based ``fieldSelector`` (dotted paths, e.g. ``metadata.name=x``,
-    ``involvedObject.name=p,type=Warning``) honoured on list and watch. ``inject_fault`` makes chosen
-    requests fail (as an overloaded or flaky API server does, or one that refuses some objects: a full
-    Service IP range, a quota) to exercise retries and their reporting; ``inject_delay`` makes chosen
-    requests answer late (a loaded API server), to open the races a real one shows. Still absent (kept
-    for e2e/): schema defaulting and validation, garbage collection of owned objects, server-side apply.
+    ``involvedObject.name=p,type=Warning``) honoured on list and watch; the garbage collector's cascade:
+    when an object is deleted, the objects whose ownerReferences name its uid are deleted too
+    (recursively; as the controller-manager's garbage collector does with background propagation — only
+    for owners deleted through this API, so fixtures may reference owners that were never created).
+    ``inject_fault`` makes chosen requests fail (as an overloaded or flaky API server does, or one that
+    refuses some objects: a full Service IP range, a quota) to exercise retries and their reporting;
+    ``inject_delay`` makes chosen requests answer late (a loaded API server), to open the races a real
+    one shows. Still absent (kept for e2e/): schema defaulting and validation, server-side apply.
     """
 
     def __attrs_post_init__(self) -> None:
@@ -167,7 +170,29 @@ class ApiServerEmulator(kmock.KubernetesEmulator):
                         meta["generation"] = int(old.get("metadata", {}).get("generation") or 1) + 1
             elif isinstance(data, list):
                 data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": rv})
-        return await super()._handle(request)
+        live_before = self._live_uids() if request.resource is not None and request.method.value != "GET" else None
+        try:
+            return await super()._handle(request)
+        finally:
+            if live_before is not None:
+                await self._collect_garbage(live_before - self._live_uids())
+
+    def _live_uids(self) -> set[str]:
+        return {o.raw.get("metadata", {}).get("uid") for o in self._objects.values() if not o.deleted} - {None}
+
+    async def _collect_garbage(self, gone: set[str]) -> None:
+        """Delete (and announce to watchers) every object owned by a uid in ``gone``, then their dependents."""
+        while gone:
+            async with self._lock:
+                doomed = [(key, o) for key, o in self._objects.items() if not o.deleted and any(
+                    ref.get("uid") in gone for ref in o.raw.get("metadata", {}).get("ownerReferences") or [])]
+                gone = set()
+                for key, o in doomed:
+                    raw = o.raw
+                    o.delete()
+                    await self._buses[key[0]].put({"type": "DELETED", "object": raw})
+                    gone.add(raw.get("metadata", {}).get("uid"))
+                gone.discard(None)
 
     async def _serve_list(self, request: Any) -> Any:
         result = await super()._serve_list(request)
@@ -195,6 +220,10 @@ def register_resources(emulator: kmock.KubernetesEmulator) -> None:
                                                              namespaced=True, verbs=verbs, subresources={"status"})
     r["v1/pods"] = kmock.ResourceInfo(kind="Pod", singular="pod", namespaced=True, verbs=verbs,
                                       subresources={"status"})
+    r["batch/v1/jobs"] = kmock.ResourceInfo(kind="Job", singular="job", namespaced=True, verbs=verbs,
+                                            subresources={"status"})
+    r["v1/persistentvolumeclaims"] = kmock.ResourceInfo(kind="PersistentVolumeClaim", singular="persistentvolumeclaim",
+                                                        namespaced=True, verbs=verbs, subresources={"status"})
     r["v1/events"] = kmock.ResourceInfo(kind="Event", singular="event", namespaced=True, verbs=verbs)
     r["events.k8s.io/v1/events"] = kmock.ResourceInfo(kind="Event", singular="event", namespaced=True, verbs=verbs)
     r["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(

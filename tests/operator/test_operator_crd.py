@@ -76,8 +76,8 @@ def test_crd_shape():
     assert version["subresources"] == {"status": {}, "scale": {
         "specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
         "labelSelectorPath": ".status.selector"}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "TP", "Replicas", "Ready", "Reason",
-                                                                      "URL", "Age", "Message"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "TP", "Replicas", "Ready", "Weights",
+                                                                      "Reason", "URL", "Age", "Message"]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     for field in ("observedGeneration", "conditions", "replicas", "readyReplicas", "desiredReplicas", "selector",
                   "url", "model", "autoscaling"):

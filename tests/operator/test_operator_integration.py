@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import yaml
@@ -56,6 +57,12 @@ async def test_sample_creates_children_and_status(api, emulator):
     name = obj["metadata"]["name"]
     async with running_operator():
         created = await api.create(AV, PL, "default", obj)
+        # its shared model cache: the weights are downloaded once, by a Job, before any pod starts
+        (job,) = await wait_for(lambda: api.list("batch/v1", "jobs", "default"))
+        assert await api.get("apps/v1", "deployments", "default", name) is None
+        await api.patch("batch/v1", "jobs", "default", job["metadata"]["name"],
+                        {"status": {"succeeded": 1, "conditions": [{"type": "Complete", "status": "True"}]}},
+                        subresource="status")
         dep = await wait_for(lambda: api.get("apps/v1", "deployments", "default", name))
         svc = await wait_for(lambda: api.get("v1", "services", "default", name))
         pdb = await wait_for(lambda: api.get("policy/v1", "poddisruptionbudgets", "default", name))
@@ -69,7 +76,7 @@ async def test_sample_creates_children_and_status(api, emulator):
         live = await wait_for(lambda: api.get(AV, PL, "default", name))
         live = await wait_for(lambda: _with_status(api, name))
         assert live["status"]["url"] == f"http://{name}.default.svc:8000/v1"
-        assert live["status"]["model"] == "meta-llama/Llama-3.3-70B-Instruct"
+        assert live["status"]["model"]["name"] == "meta-llama/Llama-3.3-70B-Instruct"
         assert live["status"]["observedGeneration"] == live["metadata"]["generation"] == 1
         assert cond(live, "Ready")["status"] == "False" and cond(live, "Progressing")["status"] == "True"
 
@@ -123,15 +130,17 @@ async def _with_status(api, name):
 
 
 async def test_unrealisable_spec_is_degraded_and_creates_nothing(api, emulator):
+    """A GGUF path that is not in the repository (the reconcile pins the repository on the fake Hub and finds
+    no such file): Degraded naming spec.model.uri, nothing created, no retry until the spec changes."""
     from kvfleet_operator import metrics
 
     obj = sample("llama-3.1-8b-instruct.yaml")
-    obj["metadata"]["name"] = "from-s3"
-    obj["spec"]["model"]["uri"] = "s3://models/llama-3.1-8b"
+    obj["metadata"]["name"] = "gguf"
+    obj["spec"]["model"]["uri"] = "hf://meta-llama/Llama-3.1-8B-Instruct/Llama-3.1-8B-Instruct-Q4_0.gguf"
     async with running_operator():
         await api.create(AV, PL, "default", obj)
 
-        live = await wait_condition(api, "from-s3", "Degraded", status="True")
+        live = await wait_condition(api, "gguf", "Degraded", status="True")
         status_writes = _writes(emulator, PL, "status")
         passes = metrics.RECONCILES.labels(result="degraded")._value.get()
         # a permanent error: kopf does not retry (no new pass, no new status write while the spec is unchanged)
@@ -139,19 +148,29 @@ async def test_unrealisable_spec_is_degraded_and_creates_nothing(api, emulator):
         assert metrics.RECONCILES.labels(result="degraded")._value.get() == passes
         assert _writes(emulator, PL, "status") == status_writes
         assert not [w for w in emulator.writes if w["resource"] in ("deployments", "services", "poddisruptionbudgets")]
-        # fixing the spec recovers: children created, Degraded cleared
-        await api.patch(AV, PL, "default", "from-s3", {"spec": {"model": {"uri": "pvc://weights/llama"}}})
-        await wait_for(lambda: api.get("apps/v1", "deployments", "default", "from-s3"))
+        # fixing the spec recovers: the file that is there is rendered, children created, Degraded cleared
+        await api.patch(AV, PL, "default", "gguf", {"spec": {"model": {
+            "uri": "hf://meta-llama/Llama-3.1-8B-Instruct/model-Q4_0.gguf"}}})
+        dep = await wait_for(lambda: api.get("apps/v1", "deployments", "default", "gguf"))
 
         async def recovered():
-            o = await api.get(AV, PL, "default", "from-s3")
+            o = await api.get(AV, PL, "default", "gguf")
             return o if cond(o, "Degraded").get("status") == "False" and o["status"]["observedGeneration"] == 2 \
                 else None
-        await wait_for(recovered)
+        fixed = await wait_for(recovered)
     c = cond(live, "Degraded")
-    assert c["reason"] == "UnsupportedModelURI"
-    assert "spec.model.uri" in c["message"] and "s3://" in c["message"] and "not supported yet" in c["message"]
+    assert c["reason"] == "FileNotFound"
+    assert c["message"].startswith("spec.model.uri: hf://meta-llama/Llama-3.1-8B-Instruct@main: no file "
+                                   "'Llama-3.1-8B-Instruct-Q4_0.gguf' there; .gguf files present: model-Q4_0.gguf")
     assert cond(live, "Ready")["status"] == "False"
+    commit = fixed["status"]["model"]["revision"]
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--model") + 1] == f"/models/hf/meta-llama/Llama-3.1-8B-Instruct/{commit}/model-Q4_0.gguf"
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    assert init["args"][:8] == ["hf", "meta-llama/Llama-3.1-8B-Instruct", "--revision", commit, "--dest",
+                                f"/models/hf/meta-llama/Llama-3.1-8B-Instruct/{commit}", "--endpoint",
+                                os.environ["HF_ENDPOINT"]]
+    assert init["args"][8:10] == ["--file", "model-Q4_0.gguf"]
 
 
 async def test_restart_makes_no_duplicates_and_no_writes(api, emulator):

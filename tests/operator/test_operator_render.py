@@ -54,7 +54,7 @@ def test_defaults_for_omitted_fields():
 
 @pytest.mark.usefixtures("features_landed")
 def test_every_engine_field_becomes_a_flag():
-    spec = {**HF, "model": {**HF["model"], "name": "llama", "tokenizer": "/tok"},
+    spec = {**HF, "model": {**HF["model"], "name": "llama", "tokenizer": "file:///tok"},
             "engine": {"image": "img:1", "imagePullPolicy": "Always", "dtype": "bfloat16", "quantization": "fp8",
                        "kvCacheDtype": "fp8", "tensorParallelSize": 2, "gpuMemoryUtilization": 0.85,
                        "maxModelLen": 8192, "maxNumSeqs": 64, "maxNumBatchedTokens": 4096, "blockSize": 32,
@@ -63,7 +63,7 @@ def test_every_engine_field_becomes_a_flag():
                                        "promptLookupMax": 5},
                        "extraArgs": ["--max-queue-len", "64"],
                        "env": [{"name": "A", "value": "1"},
-                               {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}}]}}
+                               {"name": "B", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t"}}}]}}
     c = render.render(isvc(spec))
     box = container(c)
     args = box["args"]
@@ -80,7 +80,7 @@ def test_every_engine_field_becomes_a_flag():
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     assert args[-2:] == ["--max-queue-len", "64"]  # extraArgs appended last
     env = {e["name"]: e for e in box["env"]}
-    assert env["A"]["value"] == "1" and env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "s", "key": "t"}
+    assert env["A"]["value"] == "1" and env["B"]["valueFrom"]["secretKeyRef"] == {"name": "s", "key": "t"}
     pod = c.deployment["spec"]["template"]["spec"]
     # the grace period runs from the preStop sleep on: sleep + drain + margin, so the drain is never cut short
     assert pod["terminationGracePeriodSeconds"] == render.PRESTOP_SLEEP_SECONDS + 60 + render.TERMINATION_MARGIN_SECONDS
@@ -97,9 +97,12 @@ def test_draft_model_is_downloaded_and_passed():
     assert cfg == {"method": "draft_model", "num_speculative_tokens": 5, "disable_by_batch_size": 16,
                    "model": "/models/hf/meta-llama/Llama-3.2-1B-Instruct/main"}
     inits = c.deployment["spec"]["template"]["spec"]["initContainers"]
-    assert [i["command"][3:] for i in inits] == [
-        ["meta-llama/Llama-3.1-8B-Instruct", "main", "/models/hf/meta-llama/Llama-3.1-8B-Instruct/main"],
-        ["meta-llama/Llama-3.2-1B-Instruct", "main", "/models/hf/meta-llama/Llama-3.2-1B-Instruct/main"]]
+    assert [i["command"] for i in inits] == [["kvfleet-download"]] * 2
+    assert [i["args"][:6] for i in inits] == [
+        ["hf", "meta-llama/Llama-3.1-8B-Instruct", "--revision", "main", "--dest",
+         "/models/hf/meta-llama/Llama-3.1-8B-Instruct/main"],
+        ["hf", "meta-llama/Llama-3.2-1B-Instruct", "--revision", "main", "--dest",
+         "/models/hf/meta-llama/Llama-3.2-1B-Instruct/main"]]
 
 
 def test_layer_skip_renders_exactly_the_server_json():
@@ -220,11 +223,10 @@ def test_model_volumes_per_scheme():
     c = render.render(isvc({**HF, "modelCache": {"emptyDir": {"sizeLimit": "40Gi"}}}))
     assert {"name": "model-cache", "emptyDir": {"sizeLimit": "40Gi"}} in \
         c.deployment["spec"]["template"]["spec"]["volumes"]
-    assert {"name": "HF_HOME", "value": "/models/.hf-home"} in container(c)["env"]
-
-    with pytest.raises(render.Unrealisable) as err:
-        render.render(isvc({"model": {"uri": "s3://bucket/llama"}}))
-    assert err.value.reason == "UnsupportedModelURI" and "spec.model.uri" in err.value.message
+    assert {"name": "HF_HOME", "value": "/tmp/.hf-home"} in container(c)["env"]  # not on the read-only cache
+    assert container(c)["resources"]["requests"]["ephemeral-storage"] == "40Gi"  # the scheduler sees the disk
+    # every mode: the server reads the cache, never writes it
+    assert {"name": "model-cache", "mountPath": "/models", "readOnly": True} in container(c)["volumeMounts"]
 
 
 def test_pod_security_labels_annotations_strategy_owner():
@@ -354,7 +356,8 @@ def test_hf_revision_and_pvc_without_path():
     assert flag(container(c)["args"], "--model") == "/models/hf/Qwen/Qwen2-0.5B/refs/pr/7"
     assert flag(container(c)["args"], "--served-model-name") == "Qwen/Qwen2-0.5B"  # no revision in the name
     init = c.deployment["spec"]["template"]["spec"]["initContainers"][0]
-    assert init["command"][3:] == ["Qwen/Qwen2-0.5B", "refs/pr/7", "/models/hf/Qwen/Qwen2-0.5B/refs/pr/7"]
+    assert init["args"][:6] == ["hf", "Qwen/Qwen2-0.5B", "--revision", "refs/pr/7", "--dest",
+                                "/models/hf/Qwen/Qwen2-0.5B/refs/pr/7"]
 
     c = render.render(isvc({"model": {"uri": "pvc://weights"}}))
     assert flag(container(c)["args"], "--model") == "/models/pvc/weights"
@@ -379,7 +382,7 @@ def test_every_rendered_flag_is_protected_from_extra_args():
     the server away from its probes and Service)."""
     from kvfleet_operator import api
 
-    spec = {"model": {"uri": "hf://a/b", "tokenizer": "/t"},
+    spec = {"model": {"uri": "hf://a/b", "tokenizer": "file:///t"},
             "engine": {"quantization": "fp8", "maxModelLen": 64, "maxNumSeqs": 2, "maxNumBatchedTokens": 64,
                        "speculative": {"method": "ngram", "numSpeculativeTokens": 2}}}
     rendered = {a for a in container(render.render(isvc(spec)))["args"] if a.startswith("--")}

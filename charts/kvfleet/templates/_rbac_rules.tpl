@@ -47,8 +47,13 @@ Rules on namespaced resources: in the ClusterRole (all namespaces) or a Role per
   inferenceobjectives / inferencemodelrewrites.
 - events: create: the autoscaler's Kubernetes Events on InferenceServices (scale decisions); list/watch:
   Warning Events about pods (FailedMount, FailedAttachVolume) to report why a serving pod does not start.
+- jobs: the model-download Jobs of a shared model cache: created once per pinned revision, deleted
+  when no longer pinned, listed and watched (a finished download moves the Deployment). Never patched.
+- persistentvolumeclaims: the shared model cache's claim: read, created, patched (a larger size),
+  deleted when the InferenceService leaves the shared mode.
 - kopfpeerings (named namespaces, peering on): as clusterkopfpeerings above, per namespace.
-Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not the operator.
+Nothing on secrets: serving pods read secretKeyRef env, and download pods spec.model.credentialsSecret
+(envFrom), through the kubelet, not the operator.
 */ -}}
 {{- define "kvfleet.namespacedRules" -}}
 - apiGroups: ["serving.kvfleet.dev"]
@@ -93,6 +98,12 @@ Nothing on secrets: serving pods read secretKeyRef env through the kubelet, not 
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "list", "watch"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["list", "watch", "create", "delete"]
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "create", "patch", "delete"]
 {{- if and .Values.peering.enabled (not (include "kvfleet.clusterWide" .)) }}
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
