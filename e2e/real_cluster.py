@@ -263,8 +263,10 @@ class Operator:
         self.args = args
 
     def forbidden(self) -> list[str]:
-        """Lines of the operator's log where the API server refused it (403)."""
-        return [ln for ln in self.log_path.read_text().splitlines() if " 403" in ln or "Forbidden" in ln]
+        """Lines of the operator's log where RBAC refused it ("... cannot VERB resource ..."; not the other
+        403s, e.g. a create in a namespace being terminated)."""
+        return [ln for ln in self.log_path.read_text().splitlines()
+                if ("403" in ln or "Forbidden" in ln) and " cannot " in ln and "resource" in ln]
 
     def rss_mb(self) -> float:
         for ln in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
