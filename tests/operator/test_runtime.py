@@ -5,6 +5,7 @@ is byte-identical to what main rendered before the runtime existed (tests/operat
 of the kvfleet rendering)."""
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import json
@@ -87,8 +88,8 @@ def test_vllm_serves_the_same_flags_probes_port_and_metrics(path):
     pod = vl.deployment["spec"]["template"]
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
     assert b["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    for init in pod["spec"].get("initContainers", []):  # the hf:// download runs on the vLLM image's python3
-        assert init["image"] == runtime.DEFAULT_VLLM_IMAGE and init["command"][0] == "python3"
+    for init in pod["spec"].get("initContainers", []):  # downloads run kvfleet's downloader in kvfleet's image
+        assert init["image"] == isvc_api.DEFAULT_IMAGE and init["command"] == ["kvfleet-download"]
 
 
 def test_vllm_image_comes_from_the_operator_settings_or_the_spec():
@@ -175,7 +176,8 @@ def _emitted_flags() -> set[str]:
         spec = copy.deepcopy(spec)
         spec.setdefault("engine", {})["extraArgs"] = []
         model = render.parse_spec(isvc(spec))
-        flags |= {a for a in render.server_args(model, "/m", "/d") if a.startswith("--")}
+        paths = collections.defaultdict(lambda: "/m")  # every model uri's path (cache.PodStorage.paths)
+        flags |= {a for a in render.server_args(model, paths) if a.startswith("--")}
     return flags
 
 

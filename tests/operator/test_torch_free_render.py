@@ -33,7 +33,7 @@ EXAMPLES: dict[str, list[typing.Any]] = {
     "image": ["registry.example/kvfleet-server:dev"],
     "extra_args": [["--max-queue-len", "8", "--disable-log-stats"]],
     "env": [[{"name": "A", "value": "1"},
-             {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t", "optional": True}}},
+             {"name": "API_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "t", "optional": True}}},
              {"name": "B", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k", "optional": False}}}]],
     "speculative": [
         {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMin": 2, "promptLookupMax": 5},
