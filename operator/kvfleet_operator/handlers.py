@@ -56,7 +56,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, cache, kube, memory, metrics, model_status, peering, pods, render, resolve, routing, \
+from . import api, apply, cache, child_write, kube, memory, metrics, model_status, peering, pods, render, resolve, routing, \
     routing_sync, strict, weights
 from . import status as st
 
@@ -204,7 +204,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                 "ChildConflict", f"{body.get('kind', kind)} {namespace}/{name} exists and is not controlled by "
                                  f"this InferenceService; delete or rename it", retryable=True)
     plan = await weights.prepare(client, obj, spec, pins, live["deployment"], SERVING_DEFAULTS,
-                                 lambda: _being_deleted(client, namespace, name))
+                                 lambda: _being_deleted(client, namespace, name), logger)
     children = render.with_replicas(render.render(
         obj, defaults=SERVING_DEFAULTS, routing_defaults=ROUTING_DEFAULTS, kubernetes_version=version,
         pins=plan.serving or pins, hf_endpoint=resolve.hf_endpoint()), replicas)
@@ -223,21 +223,9 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             continue
         what = (want or have or {}).get("kind", kind)
         try:
-            if action == "delete":
-                logger.info(f"Deleting {kind} {namespace}/{name} (no longer wanted)")
-                await client.delete(av, plural, namespace, name)
-            elif action == "create":
-                logger.info(f"Creating {kind} {namespace}/{name}")
-                result[kind] = await client.create(av, plural, namespace, body)
-            elif action == "patch":
-                logger.info(f"Patching {kind} {namespace}/{name}: {sorted(body)}")
-                result[kind] = await client.patch(av, plural, namespace, name, body)
-            else:
-                result[kind] = have
+            result[kind] = await child_write.write(client, logger, action, body, have, av, plural, namespace,
+                                                   name, what, label=kind)
         except kube.ApiError as exc:
-            if exc.status == 422:  # the rendered child is invalid: retrying cannot help, the spec must change
-                raise render.Unrealisable("ChildInvalid", f"the API server refused the {what}: "
-                                                          f"{exc.message}") from None
             logger.warning(f"{action} of {what} {namespace}/{name} failed: {exc}")
             result[kind] = have
             if error is None:
@@ -246,8 +234,6 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                            f"{action} of {what} {namespace}/{name} refused by the API server "
                            f"({exc.status} {exc.reason}): {exc.message}; retrying with backoff")
             continue
-        if action != "noop":
-            metrics.CHILD_WRITES.labels(kind=kind, action=action).inc()
         if kind == "deployment" and body is not None:
             template_written = action == "create" or "template" in (body.get("spec") or {})
     routed = await routing_sync.sync(client, obj, spec, children.routing, logger)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import apply, kube, metrics, render, routing
+from . import apply, child_write, kube, render, routing
 
 
 async def served(client: kube.KubeClient, api_version: str, plural: str) -> bool:
@@ -103,20 +103,8 @@ async def sync(client: kube.KubeClient, obj: dict[str, Any], spec: Any, children
                 "ChildConflict", f"{want['kind']} {namespace}/{obj_name} exists and is not controlled by this "
                                  f"InferenceService; delete or rename it", retryable=True)
         action, body = apply.plan(want, have)
-        try:
-            if action == "create":
-                logger.info(f"Creating {want['kind']} {namespace}/{obj_name}")
-                await client.create(av, plural, namespace, body)
-            elif action == "patch":
-                logger.info(f"Patching {want['kind']} {namespace}/{obj_name}: {sorted(body)}")
-                await client.patch(av, plural, namespace, obj_name, body)
-        except kube.ApiError as exc:
-            if exc.status == 422:
-                raise render.Unrealisable("ChildInvalid", f"the API server refused the {want['kind']}: "
-                                                          f"{exc.message}") from None
-            raise
-        if action != "noop":
-            metrics.CHILD_WRITES.labels(kind=field, action=action).inc()
+        await child_write.write(client, logger, action, body, have, av, plural, namespace, obj_name, want["kind"],
+                                label=field)
     return routing_status(spec, name, namespace)
 
 
@@ -128,7 +116,6 @@ def _name_of(field: str, name: str) -> str:
 async def _delete_ours(client: kube.KubeClient, field: str, av: str, plural: str, namespace: str, obj_name: str,
                        uid: str | None, logger: logging.Logger | logging.LoggerAdapter) -> None:
     have = await client.get(av, plural, namespace, obj_name)
-    if have is not None and apply.controlled_by(have, uid):
-        logger.info(f"Deleting {have.get('kind', plural)} {namespace}/{obj_name} (routing no longer wanted)")
-        await client.delete(av, plural, namespace, obj_name)
-        metrics.CHILD_WRITES.labels(kind=field, action="delete").inc()
+    if have is not None and apply.controlled_by(have, uid):  # routing no longer wanted
+        await child_write.write(client, logger, "delete", None, have, av, plural, namespace, obj_name,
+                                have.get("kind", plural), label=field)

@@ -25,6 +25,7 @@ garbage collector deletes them (and the Jobs' pods) with it; the cached weights 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ from typing import Any
 from kvfleet_server.download import DOWNLOADED, EXPECTED, Failure
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import api, apply, cache, kube, render, resolve, scrape
+from . import api, apply, cache, child_write, kube, render, resolve, scrape
 from .model_source import Pin, Source
 from .model_status import MODEL_READY, Download, termination_line
 
@@ -102,29 +103,24 @@ def _ours(obj: dict[str, Any] | None, uid: str | None) -> bool:
     return obj is not None and apply.controlled_by(obj, uid)
 
 
-async def _create(client: kube.KubeClient, api_version: str, plural: str, namespace: str,
-                  body: dict[str, Any]) -> dict[str, Any]:
-    try:
-        return await client.create(api_version, plural, namespace, body)
-    except kube.ApiError as exc:
-        if exc.status == 422:
-            raise render.Unrealisable("ChildInvalid", f"the API server refused the {body['kind']}: "
-                                                      f"{exc.message}") from None
-        raise
-
-
 async def prepare(client: kube.KubeClient, obj: dict[str, Any], spec: api.InferenceServiceSpec,
                   pins: dict[str, Pin], live_deployment: dict[str, Any] | None,
-                  defaults: render.ServingDefaults, being_deleted: Callable[[], Awaitable[bool]]) -> Plan:
+                  defaults: render.ServingDefaults, being_deleted: Callable[[], Awaitable[bool]],
+                  logger: logging.Logger | logging.LoggerAdapter = logging.getLogger("kvfleet.operator")) -> Plan:
     """Keep the claim and the download Jobs of a shared cache (see the module docstring).
 
     ``being_deleted``: asked before creating anything; when the InferenceService is going away (a pass
-    queued behind a deletion), nothing is created and the Deployment is left alone."""
+    queued behind a deletion), nothing is created and the Deployment is left alone. No request at all for
+    a spec that downloads nothing and whose last status pinned nothing (no claim or Job of ours can
+    exist): the common pass of a pvc://, file:// or bundled:// model costs no API call here."""
     meta = obj["metadata"]
     name, namespace, uid = meta["name"], meta.get("namespace") or "default", meta.get("uid")
     plan = Plan(pins, pins, model_status(obj, spec, pins))
     owner = render.owner_reference(obj)
     want_claim = cache.claim(obj, spec, owner)
+    last = (obj.get("status") or {}).get("model")
+    if want_claim is None and not cache.downloaded(spec) and not (isinstance(last, dict) and last.get("sources")):
+        return plan
     live_claim = await client.get("v1", "persistentvolumeclaims", namespace, cache.claim_name(name))
     jobs = await client.list("batch/v1", "jobs", namespace, label_selector=cache.download_selector(name))
     jobs = [j for j in jobs if _ours(j, uid)]
@@ -145,16 +141,9 @@ async def prepare(client: kube.KubeClient, obj: dict[str, Any], spec: api.Infere
         plan.serving = None
         return plan
     action, body = apply.plan(want_claim, live_claim)
-    if action == "create":
-        await _create(client, "v1", "persistentvolumeclaims", namespace, body)
-    elif action == "patch":
-        try:
-            await client.patch("v1", "persistentvolumeclaims", namespace, cache.claim_name(name), body)
-        except kube.ApiError as exc:
-            if exc.status == 422:  # e.g. a smaller size, or another storage class: the claim cannot change so
-                raise render.Unrealisable("ChildInvalid", f"spec.modelCache.shared: the API server refused the "
-                                                          f"change of the claim: {exc.message}") from None
-            raise
+    # a 422 on patch: e.g. a smaller size, or another storage class (a claim cannot change so)
+    await child_write.write(client, logger, action, body, live_claim, "v1", "persistentvolumeclaims", namespace,
+                            cache.claim_name(name), "PersistentVolumeClaim", invalid_field="spec.modelCache.shared")
     served = cache.served_revisions(live_deployment)
     dl = render.downloader(spec, defaults, resolve.hf_endpoint())
     by_name = {j["metadata"]["name"]: j for j in jobs}
@@ -168,8 +157,9 @@ async def prepare(client: kube.KubeClient, obj: dict[str, Any], spec: api.Infere
             job = None
         if job is None:
             keep = [served[source.uri]] if source.uri in served else []
-            job = await _create(client, "batch/v1", "jobs", namespace, cache.download_job(
-                obj, spec, source, pins[source.uri], dl, keep, owner, render.pod_security_context()))
+            job = await child_write.write(client, logger, "create", cache.download_job(
+                obj, spec, source, pins[source.uri], dl, keep, owner, render.pod_security_context()), None,
+                "batch/v1", "jobs", namespace, job_name, "Job")
         plan.jobs[source.uri] = job
     wanted = {j["metadata"]["name"] for j in plan.jobs.values()}
     for job_name in by_name.keys() - wanted:  # revisions no longer pinned, sources no longer used
