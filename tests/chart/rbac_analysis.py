@@ -26,7 +26,8 @@ Requirements come from three sources:
 Call arguments are resolved statically: string constants, f-strings, attributes of the operator's
 own modules (``api.PLURAL``), names bound by ``for``-loops or comprehensions over module-level
 constants (each iteration's values stay paired), and a function's parameters through every call of
-that function in the module (a helper ``_read(client, av, plural)`` is resolved at its call sites).
+that function in the module (a helper ``_read(client, av, plural)`` is resolved at its call sites) and,
+for a module-level function, in the package's other modules (``child_write.write(client, ..., av, plural)``).
 A client call whose resource cannot be resolved is an ``AnalysisError``, and so is a call that may
 be one: ``X.get/list/create/patch/delete(a, b, ...)`` on a receiver that is not known to be
 something else, whose first argument cannot be resolved. The analysis never silently skips a call.
@@ -116,8 +117,14 @@ class _Resolver:
 
     MAX_DEPTH = 8
 
-    def __init__(self, tree: ast.Module, module_name: str, package: str):
+    def __init__(self, tree: ast.Module, module_name: str, package: str,
+                 registry: dict[str, "_Resolver"] | None = None):
         self.module_name = module_name
+        self.tree = tree
+        # every module of the package by name (analyze_package): a module-level function's parameters
+        # are resolved through its calls in the other modules too (``child_write.write(client, ..., av, plural)``)
+        self.registry = registry if registry is not None else {}
+        self.registry[module_name] = self
         self.aliases: dict[str, str] = {}  # local name -> module name ("@name" -> "module:attr")
         self.parents: dict[ast.AST, ast.AST] = {}
         for node in ast.walk(tree):
@@ -197,22 +204,66 @@ class _Resolver:
         defaults.update({a.arg: d for a, d in zip(func.args.kwonlyargs, func.args.kw_defaults) if d is not None})
         names = positional + [a.arg for a in func.args.kwonlyargs]
         out: list[dict[str, Any]] = []
-        for call in self._call_sites(func):
-            if self._function_of(call) is func:
-                continue  # recursion adds no new values
+        sites = [(self, call, names) for call in self._call_sites(func) if self._function_of(call) is not func]
+        passed = self._resource_parameters(func)
+        if passed and self.parents.get(func) is self.tree:  # a module-level helper that passes the resource
+            # on to the client: its calls from the package's other modules bind those parameters
+            sites += [(other, call, [n for n in names if n in passed]) for other in self.registry.values()
+                      if other is not self for call in other._calls_into(self.module_name, func.name)]
+        for resolver, call, wanted in sites:
             starred = any(isinstance(a, ast.Starred) for a in call.args) or \
                 any(k.arg is None for k in call.keywords)
-            for env in self.environments(call, depth + 1):
+            for env in resolver.environments(call, depth + 1):
                 per_name: list[list[Any]] = []
                 for name in names:
+                    if name not in wanted:
+                        per_name.append([UNKNOWN])
+                        continue
                     arg = next((k.value for k in call.keywords if k.arg == name), None)
                     if arg is None and not starred and name in positional and positional.index(name) < len(call.args):
                         arg = call.args[positional.index(name)]
                     if arg is None and not starred:
-                        arg = defaults.get(name)
-                    per_name.append([UNKNOWN] if arg is None else self.eval(arg, env, depth + 1))
+                        arg, where = defaults.get(name), self
+                    else:
+                        where = resolver
+                    per_name.append([UNKNOWN] if arg is None else where.eval(arg, env if where is resolver else {},
+                                                                               depth + 1))
                 out += [dict(zip(names, combo)) for combo in itertools.product(*per_name)]
         return out or [{}]
+
+    @staticmethod
+    def _resource_parameters(func: ast.AST) -> set[str]:
+        """Parameters of ``func`` that it passes as the api_version, plural or subresource of a client call."""
+        params = {a.arg for a in [*func.args.posonlyargs, *func.args.args, *func.args.kwonlyargs]}
+        out = set()
+        for n in ast.walk(func):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in CLIENT_VERBS:
+                args = [*n.args[:2], *(k.value for k in n.keywords if k.arg in ("api_version", "plural", "subresource"))]
+                out |= {a.id for a in args if isinstance(a, ast.Name) and a.id in params}
+        if out:  # and the parameters that choose the call (``if action == "create": client.create(...)``)
+            out |= {g for g, _ in (_guard(n.test) or (None, None) for n in ast.walk(func) if isinstance(n, ast.If))
+                    if g in params}
+        return out
+
+    def guards_hold(self, env: dict[str, Any], at: ast.AST) -> bool:
+        """Whether the ``if NAME == CONST`` / ``elif`` tests around ``at`` can hold with ``env``'s values
+        (a test on an unknown value can)."""
+        cur = at
+        while cur in self.parents and not isinstance(cur, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            parent = self.parents[cur]
+            guard = _guard(parent.test) if isinstance(parent, ast.If) and cur is not parent.test else None
+            if guard is not None and guard[0] in env and env[guard[0]] is not UNKNOWN:
+                if (env[guard[0]] == guard[1]) != (cur in parent.body):
+                    return False
+            cur = parent
+        return True
+
+    def _calls_into(self, module_name: str, func_name: str) -> list[ast.Call]:
+        """Calls in this module of ``module_name.func_name`` (``mod.func(...)`` or an imported ``func(...)``)."""
+        return [n for n in self.parents if isinstance(n, ast.Call) and (
+            (isinstance(n.func, ast.Attribute) and n.func.attr == func_name and isinstance(n.func.value, ast.Name)
+             and self.aliases.get(n.func.value.id) == module_name)
+            or (isinstance(n.func, ast.Name) and self.aliases.get(f"@{n.func.id}") == f"{module_name}:{func_name}"))]
 
     def _parameter_values(self, name: str, at: ast.AST, depth: int) -> list[Any]:
         """Values of parameter ``name`` over the calls of its function (UNKNOWN when never called)."""
@@ -304,12 +355,22 @@ class _Resolver:
         """Values of several expressions evaluated together (same loop iteration)."""
         out = []
         for env in self.environments(at):
+            if not self.guards_hold(env, at):
+                continue
             per_arg = [[None] if n is None else self.eval(n, env) for n in nodes]
             out += list(itertools.product(*per_arg))
         return out
 
     def values(self, node: ast.AST | None, at: ast.AST) -> list[Any]:
         return [combo[0] for combo in self.joint([node], at)]
+
+
+def _guard(test: ast.AST) -> tuple[str, Any] | None:
+    """(NAME, CONST) of an ``if NAME == CONST`` test, else None."""
+    if isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and len(test.ops) == 1 \
+            and isinstance(test.ops[0], ast.Eq) and isinstance(test.comparators[0], ast.Constant):
+        return test.left.id, test.comparators[0].value
+    return None
 
 
 def _target_names(target: ast.AST) -> list[str]:
@@ -449,10 +510,12 @@ def _typed_call(call: ast.Call, resolver: _Resolver, where: str) -> list[Require
 
 
 def analyze_source(source: str, module_name: str, package: str = "kvfleet_operator",
-                   filename: str = "<src>") -> list[Requirement]:
-    """Requirements of one module's source (see the module docstring)."""
-    tree = ast.parse(source, filename=filename)
-    resolver = _Resolver(tree, module_name, package)
+                   filename: str = "<src>", resolver: _Resolver | None = None) -> list[Requirement]:
+    """Requirements of one module's source (see the module docstring); ``resolver``: the module's
+    resolver when it was built beside the package's other modules (``analyze_package``)."""
+    if resolver is None:
+        resolver = _Resolver(ast.parse(source, filename=filename), module_name, package)
+    tree = resolver.tree
     reqs: list[Requirement] = []
     client_names_by_func: dict[ast.AST, set[str]] = {}
     for node in ast.walk(tree):
@@ -510,11 +573,13 @@ def analyze_package(package_dir: Path, package: str = "kvfleet_operator",
     """Requirements of every module of the operator package (kube.py is the client itself), the rules of
     the Roles it writes included (``granted_rules``)."""
     reqs: list[Requirement] = []
-    for path in sorted(package_dir.glob("*.py")):
-        if path.name in skip or path.name == "__init__.py":
-            continue
-        reqs += analyze_source(path.read_text(), f"{package}.{path.stem}", package,
-                               filename=f"{package_dir.name}/{path.name}")
+    paths = [p for p in sorted(package_dir.glob("*.py")) if p.name not in skip and p.name != "__init__.py"]
+    registry: dict[str, _Resolver] = {}
+    resolvers = [_Resolver(ast.parse(p.read_text(), filename=str(p)), f"{package}.{p.stem}", package, registry)
+                 for p in paths]
+    for path, resolver in zip(paths, resolvers):
+        reqs += analyze_source("", resolver.module_name, package, filename=f"{package_dir.name}/{path.name}",
+                               resolver=resolver)
         reqs += granted_rules(path, f"{package}.{path.stem}", filename=f"{package_dir.name}/{path.name}")
     return reqs
 
