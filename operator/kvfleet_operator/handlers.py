@@ -112,23 +112,32 @@ async def cleanup(**_: Any) -> None:
 class _Lock:
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     users: int = 0  # passes holding or awaiting it
+    queued: int = 0  # child-event passes (no only_if) awaiting it
 
 
 _locks: dict[tuple[int, str, str], _Lock] = {}
 
 
 @contextlib.asynccontextmanager
-async def object_lock(namespace: str, name: str) -> AsyncIterator[None]:
+async def object_lock(namespace: str, name: str, queued: bool = False) -> AsyncIterator[None]:
     """Hold the lock that serialises one InferenceService's passes (reconcile, autoscaler apply).
 
     The entry exists only while a pass holds or awaits it, so nothing is kept per object between
-    passes or after its deletion (the map's size is the number of objects being worked on)."""
+    passes or after its deletion (the map's size is the number of objects being worked on).
+    ``queued``: counted in ``_Lock.queued`` while it waits (a child event's pass, see ``reconcile``)."""
     key = (id(asyncio.get_running_loop()), namespace, name)
     entry = _locks.setdefault(key, _Lock())
     entry.users += 1
+    entry.queued += queued
     try:
-        async with entry.lock:
+        try:
+            await entry.lock.acquire()
+        finally:
+            entry.queued -= queued
+        try:
             yield
+        finally:
+            entry.lock.release()
     finally:
         entry.users -= 1
         if entry.users == 0:
@@ -145,8 +154,15 @@ class Degraded(Exception):
         self.retryable = retryable
 
 
+def _queued_pass(namespace: str, name: str) -> _Lock | None:
+    """The lock entry of ``namespace/name`` if a child-event pass already waits for it."""
+    entry = _locks.get((id(asyncio.get_running_loop()), namespace, name))
+    return entry if entry is not None and entry.queued > 0 else None
+
+
 async def reconcile(namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter, retry: int = 0,
-                    only_if: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, Any]:
+                    only_if: Callable[[dict[str, Any]], bool] | None = None,
+                    coalesce: bool = False) -> dict[str, Any]:
     """One reconcile pass of InferenceService ``namespace/name``; returns the status patch written
     ({} if none, or if the object is gone, being deleted, or fails ``only_if``).
 
@@ -154,13 +170,19 @@ async def reconcile(namespace: str, name: str, logger: logging.Logger | logging.
     the status reflects one consistent view. ``retry``: how many passes in a row failed before
     this one (kopf's retry count): from ``CHILD_FAILURE_REPORTED_AT_RETRY`` on, a child write the
     API server refuses is reported in the status. ``only_if(fresh_object)``: skip the pass unless
-    true (a trigger that matters only in some states).
+    true (a trigger that matters only in some states). ``coalesce``: a child event's pass, which is
+    dropped when another such pass already waits for the lock: that one reads everything after this
+    event and so covers it (a burst of a rollout's events costs one queued pass, not one each).
 
     Raises Degraded (spec unrealisable or child conflict, already reported) or kube.ApiError (a
     child write refused, reported once persistent; any other API failure)."""
     client = kube.get_client()
     started = time.monotonic()
-    async with object_lock(namespace, name):
+    queue = coalesce and only_if is None
+    if queue and _queued_pass(namespace, name) is not None:
+        metrics.RECONCILES.labels(result="coalesced").inc()
+        return {}
+    async with object_lock(namespace, name, queued=queue):
         obj = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
             return {}  # gone or going: the garbage collector removes the children, nothing to reconcile
@@ -238,11 +260,12 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             template_written = action == "create" or "template" in (body.get("spec") or {})
     routed = await routing_sync.sync(client, obj, spec, children.routing, logger)
     selector = render.selector_string(name)
-    serving_pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector)
+    serving_pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector, cached=True)
                     if all((p.get("metadata", {}).get("labels") or {}).get(k) == v
                            for k, v in render.selector_labels(name).items())]
     events = [e for pod in pods.starting_pods(serving_pods)
-              for e in await client.list("v1", "events", namespace, field_selector=pods.event_selector(pod))]
+              for e in await client.list("v1", "events", namespace, field_selector=pods.event_selector(pod),
+                                         cached=True)]
     downloads = await weights.observe(client, obj, spec, plan, serving_pods)
     old_degraded = st.get_condition(obj.get("status"), st.DEGRADED) or {}
     report = failure is not None and (retry >= CHILD_FAILURE_REPORTED_AT_RETRY or
@@ -317,7 +340,7 @@ async def _child_event(namespace: str | None, owner: str | None, logger: logging
         return
     for attempt in range(CHILD_EVENT_ATTEMPTS):
         try:
-            await reconcile(namespace, owner, logger, retry=attempt, only_if=only_if)
+            await reconcile(namespace, owner, logger, retry=attempt, only_if=only_if, coalesce=attempt == 0)
             return
         except Degraded:
             return  # reported in the owner's status; kopf's handler retries or waits for a spec change

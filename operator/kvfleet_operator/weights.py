@@ -220,7 +220,7 @@ async def observe(client: kube.KubeClient, obj: dict[str, Any], spec: api.Infere
     sources = cache.downloaded(spec)
     if plan.jobs:
         pods = await client.list("v1", "pods", meta.get("namespace") or "default",
-                                 label_selector=cache.download_selector(meta["name"]))
+                                 label_selector=cache.download_selector(meta["name"]), cached=True)
         for source in sources:
             job = plan.jobs[source.uri]
             job_name, state = job["metadata"]["name"], job_state(job)

@@ -1,0 +1,72 @@
+"""Child events of one InferenceService coalesce: while a pass runs, a burst of events (a rollout's
+Deployment, ReplicaSet and pod updates) queues one more pass, not one each, and that pass reads after
+the last event. Passes with a condition (``only_if``), kopf's own handler passes and passes of other
+objects are never dropped; a waiter that is cancelled leaves nothing counted."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvfleet_operator import handlers, kube
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def get(self, api_version, plural, namespace, name):
+        self.reads += 1
+        return {"metadata": {"name": name, "namespace": namespace, "generation": 1}}
+
+
+@pytest.fixture
+def passes(monkeypatch):
+    client = FakeClient()
+    runs: list[tuple[str, int]] = []  # (object, the client's read count when the pass started)
+    gate = asyncio.Event()
+
+    async def fake_reconcile(client_, obj, namespace, name, logger, retry):
+        runs.append((name, client.reads))
+        await gate.wait()
+        return {}
+
+    monkeypatch.setattr(kube, "get_client", lambda: client)
+    monkeypatch.setattr(handlers, "_reconcile", fake_reconcile)
+    return runs, gate
+
+
+async def test_a_burst_of_child_events_costs_one_queued_pass(passes):
+    runs, gate = passes
+    log = handlers.logging.getLogger("test")
+    first = asyncio.create_task(handlers.reconcile("ns", "a", log))  # kopf's pass: holds the lock
+    await asyncio.sleep(0)
+    burst = [asyncio.create_task(handlers.reconcile("ns", "a", log, coalesce=True)) for _ in range(20)]
+    other = asyncio.create_task(handlers.reconcile("ns", "b", log, coalesce=True))  # another object
+    conditional = asyncio.create_task(handlers.reconcile("ns", "a", log, coalesce=True, only_if=lambda o: True))
+    kopf_pass = asyncio.create_task(handlers.reconcile("ns", "a", log))
+    await asyncio.sleep(0.01)
+    gate.set()
+    await asyncio.gather(first, *burst, other, conditional, kopf_pass)
+    names = [n for n, _ in runs]
+    # the first pass, one for the whole burst, the conditional one and kopf's: 4 of "a"; 1 of "b"
+    assert names.count("a") == 4 and names.count("b") == 1
+    assert not handlers._locks
+
+
+async def test_a_cancelled_waiter_leaves_no_queued_pass(passes):
+    runs, gate = passes
+    log = handlers.logging.getLogger("test")
+    first = asyncio.create_task(handlers.reconcile("ns", "a", log))
+    await asyncio.sleep(0)
+    waiter = asyncio.create_task(handlers.reconcile("ns", "a", log, coalesce=True))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    await asyncio.sleep(0)
+    later = asyncio.create_task(handlers.reconcile("ns", "a", log, coalesce=True))  # must not be dropped
+    await asyncio.sleep(0.01)
+    gate.set()
+    await first
+    await later
+    assert [n for n, _ in runs] == ["a", "a"]
+    assert not handlers._locks
