@@ -226,7 +226,9 @@ class KubeClient:
         list) rather than read from etcd. A selector list from etcd reads and decodes every object of
         the namespace, so a list per reconcile pass costs O(objects) each and O(objects²) in all; from
         the cache it is filtered in memory. The cache is the one the operator's own watches are served
-        from, so it holds at least the state of the event that triggered the pass."""
+        from, so on one API server it holds at least the state of the event that triggered the pass; with
+        several API servers another's cache may lag by its watch latency, and the event it has not yet
+        applied triggers the next pass."""
         params = {k: v for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v}
         if cached:
             params["resourceVersion"] = "0"
