@@ -1,6 +1,6 @@
 """Operator metrics (Prometheus, served on /metrics by ``kvfleet-operator run --metrics-port``).
 
-kvfleet_operator_reconciles_total{result}        counter, result = success | degraded | error
+kvfleet_operator_reconciles_total{result}        counter, result = success | degraded | error | coalesced
 kvfleet_operator_reconcile_errors_total{reason}  counter, API errors by HTTP reason
 kvfleet_operator_reconcile_duration_seconds      histogram of one reconcile pass (seconds)
 kvfleet_operator_child_writes_total{kind,action} counter, create | patch | delete of children
