@@ -156,7 +156,7 @@ def main() -> None:
         ap.error("--reps must be at least 1")
     torch.set_num_threads(args.threads)
     from kvfleet_server import EngineConfig, LLMEngine
-    from kvfleet_server.engine.scheduler import DraftGate
+    from kvfleet_server.spec_decode.gate import DraftGate
 
     base_kw = dict(dtype="float32", device="cpu", num_threads=args.threads, max_model_len=1024)
     plain = LLMEngine(EngineConfig(**base_kw))

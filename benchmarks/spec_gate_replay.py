@@ -74,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kvfleet_server import LLM, SamplingParams
-    from kvfleet_server.engine.scheduler import DraftGate
+    from kvfleet_server.spec_decode.gate import DraftGate
     from kvfleet_server.spec_decode.proposer import VERIFY_COST, break_even_acceptance
 
     spec = METHODS["ngram"]

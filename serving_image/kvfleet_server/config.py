@@ -305,13 +305,6 @@ class EngineConfig:
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
 
-    def resolved_attention_backend(self) -> str:
-        """"torch", "cpu" or "triton" for the resolved device (ValueError naming the field when "triton"
-        cannot run there, see ``attention.resolve_attention_backend``)."""
-        from .attention import resolve_attention_backend
-
-        return resolve_attention_backend(self.attention_backend, self.resolved_device())
-
     def resolved_quantization(self) -> str | None:
         """The quantization method that runs: ``quantization``; else the checkpoint's own ("fp8" for an FP8
         checkpoint, see ``checkpoint_quantization.py``), or "gguf" (packed) for a .gguf model file

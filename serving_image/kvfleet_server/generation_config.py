@@ -104,9 +104,10 @@ def _from_hf_dir(directory: str, cap: bool) -> GenerationDefaults:
 
 
 def _from_gguf(path: str, reader=None) -> GenerationDefaults:
-    from .model.loader import open_gguf
+    if reader is None:
+        import gguf
 
-    reader = reader if reader is not None else open_gguf(path)
+        reader = gguf.GGUFReader(path)
     params = {}
     for key, ours in GGUF_KEYS.items():
         f = reader.fields.get(key)

@@ -7,7 +7,7 @@ What a subscriber sees (vLLM's ``ZmqEventPublisher``, vllm/distributed/kv_events
   ``KVEventBatch(ts, events, data_parallel_rank)``;
 - events tagged by class name: ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size,
   lora_id, medium)``, ``BlockRemoved(block_hashes, medium)``, ``AllBlocksCleared()``. Block hashes are
-  the prefix cache's own (32-byte blake2b digests, ``engine.kv_cache.hash_block_tokens``), so a
+  the prefix cache's own (32-byte blake2b digests, ``sequence.hash_block_tokens``), so a
   subscriber can match them against nothing else — it keys its index on ``token_ids`` and the parent
   chain, as llm-d's precise prefix-cache scorer does;
 - structs encoded positionally (msgspec ``array_like=True``): the layout vLLM used before

@@ -40,7 +40,7 @@ class SpeculativeConfig:
             checked by the engine once the model is known).
         disable_by_batch_size: a step with more running sequences than this does not speculate.
         min_acceptance: kvfleet's key (no vLLM equivalent): the acceptance rate below which a sequence
-            stops drafting for a back-off (engine/scheduler.py DraftGate), in [0, 1]; None = the break-even
+            stops drafting for a back-off (spec_decode/gate.py DraftGate), in [0, 1]; None = the break-even
             of the method's cost on the device (at least DraftGate.MIN_ACCEPTANCE, 0.15); 0 = always speculate.
     """
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvfleet_server.engine.kv_cache import BlockPool, KVCacheManager, NoFreeBlocksError, hash_block_tokens
+from kvfleet_server.engine.kv_cache import BlockPool, KVCacheManager, NoFreeBlocksError
+from kvfleet_server.sequence import hash_block_tokens
 
 
 def test_allocate_and_free_returns_everything():

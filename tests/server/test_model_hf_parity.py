@@ -11,7 +11,7 @@ import torch
 
 from kvfleet_server import LLM, SamplingParams
 from kvfleet_server.model.loader import load_model
-from kvfleet_server.engine.scheduler import Request, ScheduledSeq, Sequence
+from kvfleet_server.sequence import Request, ScheduledSeq, Sequence
 from kvfleet_server.engine.kv_cache import KVCacheManager
 from kvfleet_server.executor.model_runner import ModelRunner
 from kvfleet_server.attention import TorchAttentionBackend

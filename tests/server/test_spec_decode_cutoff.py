@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvfleet_server import SamplingParams
-from kvfleet_server.engine.scheduler import DraftGate
+from kvfleet_server.spec_decode.gate import DraftGate
 from kvfleet_server.model.loader import load_model, load_model_config
 from kvfleet_server.spec_decode import draft_cost
 from kvfleet_server.spec_decode_config import SpeculativeConfig

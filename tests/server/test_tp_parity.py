@@ -13,7 +13,7 @@ import torch
 
 from tiny_models import _save_tiny
 from kvfleet_server import EngineConfig, LLMEngine, SamplingParams
-from kvfleet_server.engine.scheduler import Request, ScheduledSeq, Sequence
+from kvfleet_server.sequence import Request, ScheduledSeq, Sequence
 from kvfleet_server.errors import UnsupportedFeatureError
 
 IDS = [5, 17, 923, 4410, 88, 12000, 301, 7, 7, 9, 45000, 1234, 16, 2048, 99, 3, 600, 42, 420, 4242, 31, 8,

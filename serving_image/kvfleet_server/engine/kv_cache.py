@@ -1,5 +1,5 @@
 """Paged KV cache bookkeeping: the block pool (reference counts, free queue, prefix-hash map) and
-per-sequence block tables. The tensors themselves live in ``runner.py`` (``KVCacheTensors``).
+per-sequence block tables. The tensors themselves live in ``executor/model_runner.py`` (``ModelRunner.kv_caches``).
 
 Memory layout (see attention/backend.py): per layer K and V ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. A sequence's token ``t`` lives in ``block_table[t // block_size]`` at offset
@@ -8,7 +8,7 @@ head_dim]``. A sequence's token ``t`` lives in ``block_table[t // block_size]`` 
 Design after vLLM's v1 KV cache manager:
 - Blocks carry ``ref_cnt`` (sharing between the n samples of a request, and between requests hitting
   the same cached prefix) and an optional ``block_hash`` (content hash of a full block, chained over
-  its prefix — ``hash_block_tokens``).
+  its prefix — ``sequence.hash_block_tokens``).
 - Free blocks sit in two queues: never-hashed blocks (taken first) and hashed "cached" blocks in LRU
   order (oldest evicted first when no uncached block is left). A cached free block can be revived
   by a prefix hit. Blocks with ref_cnt > 0 are never evicted.
@@ -23,7 +23,6 @@ Design after vLLM's v1 KV cache manager:
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -72,22 +71,6 @@ class CacheCleared:
 
 
 KVEvent = BlocksStored | BlocksRemoved | CacheCleared
-
-
-def hash_block_tokens(parent: bytes | None, token_ids: list[int] | tuple[int, ...], extra: tuple = ()) -> bytes:
-    """Content hash of a full block: blake2b over (parent hash, extra keys, token ids).
-
-    Extra keys (cache_salt, later adapter ids) are length-prefixed UTF-8 so that no two different
-    key tuples give the same bytes. Returns a 32-byte digest.
-    """
-    h = hashlib.blake2b(digest_size=32)
-    h.update(b"P" + (parent or b"\0" * 32))
-    for key in extra:
-        b = str(key).encode()
-        h.update(b"E" + len(b).to_bytes(8, "little") + b)
-    h.update(b"T" + len(token_ids).to_bytes(8, "little"))
-    h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in token_ids))
-    return h.digest()
 
 
 class BlockPool:

@@ -24,7 +24,7 @@ from ..config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from ..errors import InvalidRequestError, PromptTooLongError
 from .kv_cache import KVCacheManager
-from ..executor.distributed import TPGroup
+from ..distributed import TPGroup
 from ..executor.engine_setup import build_shard, prepare_model, size_kv_pool
 from ..executor.workers import WorkerGroup, start_workers
 from ..model.layers.quant import model_weight_bytes, quantization_note
@@ -38,7 +38,9 @@ from ..sample.jump_forward import plan_jump_forward
 from ..sample.rejection import VerifySpan, verify
 from ..sample.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
 from ..sampling_params import SamplingParams
-from .scheduler import DraftGate, Request, ScheduledSeq, Scheduler, Sequence, SeqStatus
+from .scheduler import Scheduler
+from ..sequence import Request, ScheduledSeq, Sequence, SeqStatus
+from ..spec_decode.gate import DraftGate
 from ..stats import IterationStats, SchedulerStats
 from ..model.tokenizer import Tokenizer
 from ..spec_decode import build_proposer, draft_cost
@@ -123,7 +125,7 @@ class LLMEngine:
             if gguf is not None:
                 gguf.close()  # drop the file mapping: the weights are copied into the model
             # the draft model loads while the workers load their shards, before the process groups form
-            # (their collectives time out: executor/distributed.py)
+            # (their collectives time out: distributed.py)
             self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
                                 if config.speculative_config else None)
             self.proposer = None

@@ -25,7 +25,7 @@ from ..config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS,
 from ..model.config import ModelConfig
 from ..model.loader import GGUFModelFile, is_gguf, load_model, load_model_config
 from ..model.sharding import check_tp_size
-from .distributed import TPGroup
+from ..distributed import TPGroup
 from .model_runner import ModelRunner, StepInputs, kv_bytes_per_token
 
 logger = logging.getLogger("kvfleet.engine")
@@ -98,7 +98,7 @@ def cuda_kv_budget(config: EngineConfig, model, block_size: int, device: torch.d
     T = min(config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, model.config.max_position_embeddings)
     T = max(T, min(config.max_num_seqs, model.config.max_position_embeddings))
     nb = -(-T // block_size) + 1
-    backend = get_attention_backend(device.type, config.resolved_attention_backend())
+    backend = get_attention_backend(device.type, config.attention_backend)
     tmp = ModelRunner(model, nb, block_size, str(device), dtype, backend, kv_dtype)
     # the largest step: T prefill tokens, with the logits of up to max_num_seqs sampled rows
     tmp.run(StepInputs(input_ids=[0] * T, dec_positions=[], dec_slots=[], decode_groups=[],
@@ -149,7 +149,7 @@ def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = 
     per_token = kv_bytes_per_token(mc.num_hidden_layers, model.shard.num_kv_heads, mc.head_dim, kv_dtype)
     per_token += extra_kv_bytes_per_token
     dev = torch.device(device)
-    backend = get_attention_backend(dev.type, config.resolved_attention_backend())
+    backend = get_attention_backend(dev.type, config.attention_backend)
     sizes = capture_sizes(config.max_num_seqs) if graphs_wanted(config, dev, backend, tp) else []
     if dev.type == "cuda" and config.kv_cache_memory_bytes is None:
         budget = cuda_kv_budget(config, model, bs, dev, dtype, kv_dtype, sizes[-1] if sizes else 0)

@@ -27,8 +27,8 @@ import torch
 
 from ..attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
 from ..attention.kv_quant import HEADROOM, hadamard, is_fp8
-from ..engine.scheduler import ScheduledSeq
-from .distributed import TPGroup
+from ..sequence import ScheduledSeq
+from ..distributed import TPGroup
 
 logger = logging.getLogger("kvfleet.engine")
 

@@ -340,7 +340,7 @@ def worker_main(conn: Connection) -> int:
 
         from ..config import EngineConfig
         from .engine_setup import build_shard, prepare_model, size_kv_pool
-        from .distributed import TPGroup
+        from ..distributed import TPGroup
 
         apply_cpu_placement(set(order["cores"]) if order["cores"] else None, order["threads"])
         config = EngineConfig(**order["config"])

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..attention.backend import AttentionBackend, AttentionMetadata
 from ..attention.kv_quant import rotate
-from ..executor.distributed import TPGroup
+from ..distributed import TPGroup
 from .config import ModelConfig
 from .layers.embedding import VocabEmbedding, gather_logits
 from .layers.layer_ops import TORCH_OPS

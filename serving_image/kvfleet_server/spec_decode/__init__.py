@@ -1,7 +1,9 @@
 """Speculative decoding: proposers of draft tokens behind one interface (proposer.Proposer).
 
-The scheduler reserves slots for 1 + k tokens per decoding sequence, the engine asks the proposer
-for drafts, the runner verifies them in one target pass and sample/rejection.py accepts a prefix.
+The scheduler reserves KV slots for 1 + γ tokens per decoding sequence, where the sequence's draft gate
+(gate.py, ``DraftGate``) picks γ ≤ k (``num_speculative_tokens``) from its acceptance, or 0 while speculation
+does not pay; the engine asks the proposer for γ drafts, the runner verifies them in one target pass and
+sample/rejection.py accepts a prefix.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ def draft_cost(cfg: SpeculativeConfig, target, target_config, dtype, max_model_l
     (decode is memory-bound): 0 for n-gram lookup, (first L layers + head) / (all layers + head) for
     layer_skip, draft / target for a draft model — the draft's from its architecture config at the
     model dtype (FP8 checkpoints at their stored bytes), before any draft weight is loaded, so that a
-    draft no acceptance rate pays for is never loaded (the acceptance cut-off: engine/scheduler.py DraftGate).
+    draft no acceptance rate pays for is never loaded (the acceptance cut-off: spec_decode/gate.py DraftGate).
 
     Raises ValueError naming the speculative_config key when the draft does not fit the target
     (layer count, vocabulary, context length); ModelLoadError when the draft model cannot be read.

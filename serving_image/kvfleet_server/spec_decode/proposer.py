@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.scheduler import Sequence
+from ..sequence import Sequence
 
 
 @dataclass
@@ -59,7 +59,7 @@ VERIFY_COST = {"cpu": 0.1, "cuda": 0.05}
 
 
 def break_even_acceptance(draft_cost: float, device: str) -> float:
-    """Fraction of drafts that must be accepted for speculation to pay (see engine/scheduler.py DraftGate)."""
+    """Fraction of drafts that must be accepted for speculation to pay (see spec_decode/gate.py DraftGate)."""
     return draft_cost + VERIFY_COST.get(device, VERIFY_COST["cpu"])
 
 
