@@ -90,7 +90,7 @@ def test_draft_costs_follow_the_weights_read(tiny_engine_factory):
     assert draft_cost(layer_skip, m, cfg, torch.float32, 64) == pytest.approx(
         decode_read_bytes(m, 1) / decode_read_bytes(m))
     ngram = tiny_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert draft_cost(ngram.spec_config, m, cfg, torch.float32, 64) == 0.0
+    assert draft_cost(ngram.spec.config, m, cfg, torch.float32, 64) == 0.0
     assert ngram.scheduler.spec_min_acceptance == DraftGate.MIN_ACCEPTANCE  # the floor over a 0.1 break-even
     assert VERIFY_COST["cpu"] < DraftGate.MIN_ACCEPTANCE
 
@@ -144,7 +144,7 @@ def test_a_method_that_cannot_pay_does_not_speculate(tiny_engine_factory, tiny_l
     assert "a draft costs 1.00" in caplog.text and "break-even acceptance 1.10" in caplog.text
     assert "speculation is off, no draft loaded" in caplog.text
     # no drafter is built: no draft KV in the pool, no draft work per step
-    assert eng.proposer is None and eng.num_blocks == plain.num_blocks
+    assert eng.spec is None and eng.num_blocks == plain.num_blocks
     out_plain, _ = greedy_with_step_counts(plain, [9, 10, 11, 12], 40)
     out, drafted = greedy_with_step_counts(eng, [9, 10, 11, 12], 40)
     assert out == out_plain and sum(drafted) == 0

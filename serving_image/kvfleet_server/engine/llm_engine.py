@@ -1,9 +1,11 @@
 """LLMEngine: the step-level engine (add_request / abort_request / step / has_unfinished).
 
-Data flow of one ``step()``: Scheduler.schedule() picks the sequences and token counts → the runner
-performs copy-on-write copies, builds the flat batch and runs the model over the paged KV cache →
-logits of the rows that sample → sampling.sample() → tokens appended, detokenized, stop conditions
-checked → finished sequences release their blocks at once → RequestOutputs (cumulative + delta).
+Data flow of one ``step()``: schedule (``Scheduler.schedule()`` picks the sequences and token counts) →
+feature hooks (``SpecDecoder.before_forward`` fills reserved draft slots) → execute (the runner performs
+copy-on-write copies, builds the flat batch and runs the model over the paged KV cache) → sample (logits of
+the rows that sample, grammar bitmask, ``sample()``; ``SpecDecoder.verify`` for drafted rows) → process
+(``OutputProcessor``: tokens appended, detokenized, stop conditions checked; finished sequences release their
+blocks at once; RequestOutputs, cumulative + delta).
 
 Not thread-safe: drive it from one thread (the HTTP server runs it in a dedicated thread).
 Aborted requests: ``abort_request`` frees the blocks immediately and the next ``step()`` returns one
@@ -21,7 +23,7 @@ import torch
 
 from ..attention.kv_quant import kv_cache_torch_dtype
 from ..config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from .detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
+from .detokenizer import IncrementalDetokenizer
 from ..errors import InvalidRequestError, PromptTooLongError
 from .kv_cache import KVCacheManager
 from ..distributed import TPGroup
@@ -31,20 +33,17 @@ from ..model.layers.quant import model_weight_bytes, quantization_note
 from ..generation_config import read_generation_defaults
 from ..model.loader import GGUFModelFile, is_gguf, load_model_config
 from ..model.sharding import check_tp_size
-from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..outputs import RequestOutput
 from ..executor.model_runner import kv_bytes_per_token
 from ..sample.grammar import GrammarCompiler, SequenceGrammar, allocate_bitmask
-from ..sample.jump_forward import plan_jump_forward
-from ..sample.rejection import VerifySpan, verify
-from ..sample.sampler import SampleRow, TokenLogprobs, prompt_logprobs, sample
+from ..sample.sampler import SampleRow, prompt_logprobs, sample
 from ..sampling_params import SamplingParams
+from .output_processor import OutputProcessor
 from .scheduler import Scheduler
 from ..sequence import Request, ScheduledSeq, Sequence, SeqStatus
-from ..spec_decode.gate import DraftGate
 from ..stats import IterationStats, SchedulerStats
 from ..model.tokenizer import Tokenizer
-from ..spec_decode import build_proposer, draft_cost
-from ..spec_decode.proposer import break_even_acceptance
+from ..spec_decode.decoder import SpecDecoder
 from ..spec_decode_config import SpeculativeConfig
 
 logger = logging.getLogger("kvfleet.engine")
@@ -126,15 +125,13 @@ class LLMEngine:
                 gguf.close()  # drop the file mapping: the weights are copied into the model
             # the draft model loads while the workers load their shards, before the process groups form
             # (their collectives time out: distributed.py)
-            self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
-                                if config.speculative_config else None)
-            self.proposer = None
+            #: speculative decoding (None without it, or when no acceptance rate pays for it here)
+            self.spec: SpecDecoder | None = None
             spec_kw = {}
-            if self.spec_config is not None:
-                spec_kw = self._draft_gate_settings(
-                    draft_cost(self.spec_config, self.model, self.model_config, self.dtype, max_len))
-                if spec_kw["num_speculative_tokens"]:  # a draft that cannot pay here is never loaded
-                    self.proposer = build_proposer(self.spec_config, self.dtype, self.device, max_len)
+            if config.speculative_config:
+                self.spec, spec_kw = SpecDecoder.create(SpeculativeConfig.from_dict(config.speculative_config),
+                                                        self.model, self.model_config, self.dtype, self.device,
+                                                        max_len)
                 lap("draft model")
             if self.workers is not None:
                 self.workers.wait_loaded()
@@ -146,9 +143,9 @@ class LLMEngine:
             self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
             self.runner, self.num_blocks = size_kv_pool(
                 config, self.model, self.tp, self.device,
-                extra_kv_bytes_per_token=self.proposer.extra_kv_bytes_per_token if self.proposer else 0)
-            if self.proposer is not None:
-                self.proposer.bind(self.runner)
+                extra_kv_bytes_per_token=self.spec.extra_kv_bytes_per_token if self.spec else 0)
+            if self.spec is not None:
+                self.spec.bind(self.runner)
             lap("kv_cache allocation")
             prepare_model(config, self.model, self.tp)
             lap("compile")
@@ -159,8 +156,8 @@ class LLMEngine:
         self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
         per_token = kv_bytes_per_token(mc.num_hidden_layers, self.model.shard.num_kv_heads, mc.head_dim,
                                        self.kv_cache_dtype)
-        if self.proposer is not None:
-            per_token += self.proposer.extra_kv_bytes_per_token
+        if self.spec is not None:
+            per_token += self.spec.extra_kv_bytes_per_token
         capacity = self.num_blocks * bs
         if max_len > capacity:
             if config.max_model_len is not None:
@@ -179,6 +176,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, bs)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
                                    config.enable_prefix_caching, max_model_len=max_len, **spec_kw)
+        self.output = OutputProcessor(self.tokenizer, self.scheduler, max_len, config)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -192,25 +190,6 @@ class LLMEngine:
         #: wait, kv_cache allocation, compile, other), in order, and "tokenizer (in a thread)": the
         #: tokenizer's own load time, overlapped with the weights; the server logs them.
         self.startup_timings: dict[str, float] = timings
-
-    def _draft_gate_settings(self, cost: float) -> dict:
-        """The scheduler's speculation settings from a draft token's ``cost`` relative to a decode step on
-        this device (spec_decode.draft_cost; DraftGate); logs them. A method no acceptance rate can pay
-        for here (break-even ≥ 1) gets num_speculative_tokens 0: the caller builds no drafter (no draft
-        model loaded, no memory in the KV pool, no work per step)."""
-        sc = self.spec_config
-        be = break_even_acceptance(cost, self.device)
-        cut = DraftGate.cut_off(be) if sc.min_acceptance is None else sc.min_acceptance
-        # the draft length weighs each token at the break-even cost (an explicit cut-off below it
-        # lowers it: min_acceptance 0 always verifies k drafts)
-        token_cost = be if sc.min_acceptance is None else min(be, sc.min_acceptance)
-        k = sc.num_speculative_tokens if cut < 1 else 0
-        logger.log(logging.INFO if k else logging.WARNING,
-                   "speculative decoding: %s, up to %d tokens; a draft costs %.2f of a decode step, break-even "
-                   "acceptance %.2f, cut-off %.2f%s", sc.method, sc.num_speculative_tokens, cost, be, cut,
-                   "" if k else " — no acceptance rate pays on this device: speculation is off, no draft loaded")
-        return dict(num_speculative_tokens=k, disable_by_batch_size=sc.disable_by_batch_size,
-                    spec_min_acceptance=cut, spec_token_cost=token_cost)
 
     @classmethod
     def from_engine_args(cls, **kwargs) -> "LLMEngine":
@@ -324,7 +303,9 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(leader)
 
-    def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
+    def _new_sequence(self, req: Request, index: int, token_ids: list[int], parent: Sequence | None = None) -> Sequence:
+        """Sequence ``index`` of ``req``: its generator (seeded per sample), grammar (the leader's own, or a
+        fork of ``parent``'s matcher state) and detokenizer."""
         p = req.params
         gen = None
         if not p.greedy:
@@ -332,7 +313,9 @@ class LLMEngine:
             seed = (seed + index * 0x9E3779B97F4A7C15) % 2**63
             gen = torch.Generator(device=self.device).manual_seed(seed)
         seq = Sequence(req, index, token_ids, gen)
-        if p.structured_outputs is not None and index == 0:
+        if parent is not None and parent.grammar is not None:
+            seq.grammar = parent.grammar.fork()
+        elif p.structured_outputs is not None and index == 0:
             stop_ids = sorted(self.tokenizer.eos_token_ids | set(p.stop_token_ids))
             seq.grammar = SequenceGrammar(p.structured_outputs.compiled, stop_ids)
         seq.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, p.skip_special_tokens)
@@ -355,7 +338,7 @@ class LLMEngine:
                     seq.status = SeqStatus.FINISHED
                     seq.finish_reason = "abort"
             req.metrics.finished_time = time.monotonic()
-            self._pending.append(self._make_output(req))
+            self._pending.append(self.output.make_output(req))
 
     # --- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -388,6 +371,7 @@ class LLMEngine:
         self.kv.pool.take_events()
 
     def _step(self) -> list[RequestOutput]:
+        """schedule → feature hooks → execute → sample → process (docs/engine.md, "The step")."""
         sched = self.scheduler.schedule()
         it = IterationStats(num_preemptions=len(sched.preempted), prefix_cache_queries=sched.prefix_cache_queries,
                             prefix_cache_hits=sched.prefix_cache_hits)
@@ -395,138 +379,91 @@ class LLMEngine:
         if not sched.scheduled:
             self.last_iteration = it
             return outputs
+        scheduled, copies = sched.scheduled, sched.copies
+        self._count_scheduled(scheduled, it)
+        for block in sched.pinned:
+            self.kv.pool.decref(block)
+        drafts = {}
+        if self.spec is not None:  # hook: drafts fill the KV slots the scheduler reserved
+            drafts, copies = self.spec.before_forward(scheduled, copies, self.kv, self.runner)
+        batch = self.runner.execute(scheduled, {s.seq.seq_id: self.kv.block_ids(s.seq.seq_id) for s in scheduled},
+                                    copies)
+        samplers = [i for i, s in enumerate(scheduled) if s.samples and not s.draft_ids]  # drafted rows: verify
+        self._prompt_logprobs(scheduled, batch)
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_known  # drafts count once verified (SpecDecoder.verify)
+            self.scheduler.publish_computed_blocks(s.seq)
+        touched: dict[str, Request] = {}
+        seqs, rows = self._sampling_rows(scheduled, samplers, batch, touched)
+        if drafts:  # hook: verify the drafts against the target's rows
+            for seq in self.spec.verify(scheduled, batch, drafts, self.runner, self.scheduler, self._sample_row,
+                                        self.output.append, it):
+                touched[seq.request.request_id] = seq.request
+        if rows:
+            self._sample(batch, seqs, rows, it, touched)
+        for req in touched.values():
+            if req.finished:
+                req.metrics.finished_time = time.monotonic()
+                self.requests.pop(req.request_id, None)
+            outputs.append(self.output.make_output(req))
+        self.last_iteration = it
+        return outputs
+
+    def _count_scheduled(self, scheduled: list[ScheduledSeq], it: IterationStats) -> None:
+        """First-scheduled times, and the prompt tokens this step computes (``it.num_prompt_tokens``)."""
         now = time.monotonic()
-        scheduled = sched.scheduled
         for s in scheduled:
             m = s.seq.request.metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
             it.num_prompt_tokens += max(0, min(s.seq.num_computed_tokens + s.num_new, s.seq.num_prompt_tokens)
                                         - s.seq.num_computed_tokens)
-        copies = sched.copies
-        if self.proposer is not None and copies:  # the drafters read KV (layer_skip: the target's) before the step
-            self.runner.copy_blocks_on_every_rank(copies)
-            self.proposer.copy_blocks(copies)
-            copies = []
-        for block in sched.pinned:
-            self.kv.pool.decref(block)
-        drafts = self._propose(scheduled) if self.proposer is not None else {}
-        batch = self.runner.execute(scheduled, {s.seq.seq_id: self.kv.block_ids(s.seq.seq_id) for s in scheduled},
-                                    copies)
-        samplers = [i for i, s in enumerate(scheduled) if s.samples and not s.draft_ids]
-        self._prompt_logprobs(scheduled, batch)
-        for s in scheduled:
-            s.seq.num_computed_tokens += s.num_known  # drafts count once verified (_verify_drafts)
-            self.scheduler.publish_computed_blocks(s.seq)
 
+    def _sampling_rows(self, scheduled: list[ScheduledSeq], samplers: list[int], batch, touched: dict[str, Request]
+                       ) -> tuple[list[Sequence], list[int]]:
+        """(sequences that sample a token this step, their logits rows) for the ``samplers`` (indices in
+        ``scheduled``). A prompt of n > 1 samples is forked here, once computed (the samples share its
+        blocks); a request with max_tokens 0 (prompt scoring) finishes without sampling."""
         rows: list[int] = []
         seqs: list[Sequence] = []
-        touched: dict[str, Request] = {}
         for i in samplers:
             seq = scheduled[i].seq
             req = seq.request
-            if req.max_tokens == 0:  # prompt scoring (echo + max_tokens 0): the prompt is computed, nothing sampled
+            if req.max_tokens == 0:
                 self._finish_without_sampling(req, seq)
                 touched[req.request_id] = req
                 continue
             rows.append(batch.last_row[i])
             seqs.append(seq)
-            if not req.forked:  # n > 1: the prompt is computed once, then the samples share its blocks
+            if not req.forked:
                 req.forked = True
                 for k in range(1, req.params.n):
-                    child = self._new_sequence(req, k, seq.token_ids)
-                    if seq.grammar is not None:
-                        child.grammar = seq.grammar.fork()
+                    child = self._new_sequence(req, k, seq.token_ids, parent=seq)
                     child.num_computed_tokens = seq.num_computed_tokens
                     self.kv.fork(seq.seq_id, child.seq_id)
                     self.scheduler.add_running(child)
                     rows.append(batch.last_row[i])
                     seqs.append(child)
-        if drafts:
-            self._verify_drafts(scheduled, batch, drafts, it, touched)
-        if rows:
-            logits = self.runner.compute_logits(batch, rows)
-            t_mask = time.perf_counter()
-            bitmask = self._grammar_bitmask(seqs)
-            it.structured_output_mask_s = time.perf_counter() - t_mask
-            tokens, lps = sample(logits, [self._sample_row(s) for s in seqs], bitmask)
-            now = time.monotonic()
-            for seq, tok, lp in zip(seqs, tokens, lps):
-                jumped = self._append_token(seq, tok, lp)
-                it.num_generation_tokens += 1 + jumped
-                it.num_jump_forward_tokens += jumped
-                req = seq.request
-                if req.metrics.first_token_time is None:
-                    req.metrics.first_token_time = now
-                req.metrics.last_token_time = now
-                touched[req.request_id] = req
-        for req in touched.values():
-            if req.finished:
-                req.metrics.finished_time = time.monotonic()
-                self.requests.pop(req.request_id, None)
-            outputs.append(self._make_output(req))
-        self.last_iteration = it
-        return outputs
+        return seqs, rows
 
-    # --- speculative decoding ------------------------------------------------------------------
-    def _propose(self, scheduled: list[ScheduledSeq]) -> dict[int, "Drafts"]:
-        """Ask the proposer for drafts where the scheduler reserved slots; slots of drafts not proposed
-        go back to the pool before the forward pass. Returns {index in scheduled: Drafts} (non-empty)."""
-        from ..spec_decode.proposer import DraftRequest
-
-        idx = [i for i, s in enumerate(scheduled) if s.max_drafts]
-        if not idx:
-            return {}
-        reqs = [DraftRequest(scheduled[i].seq, scheduled[i].max_drafts, self.kv.block_ids(scheduled[i].seq.seq_id))
-                for i in idx]
-        out = {}
-        for i, d in zip(idx, self.proposer.propose(reqs)):
-            s = scheduled[i]
-            s.draft_ids = list(d.token_ids)
-            s.num_new = s.num_new - s.max_drafts + len(s.draft_ids)
-            if len(s.draft_ids) < s.max_drafts:
-                self.kv.truncate(s.seq.seq_id, self.kv.blocks_for(s.seq.num_computed_tokens + s.num_new))
-            if s.draft_ids:
-                out[i] = d
-        return out
-
-    def _verify_drafts(self, scheduled, batch, drafts, it: IterationStats, touched: dict) -> None:
-        """Rejection-sample each drafted sequence's rows (sample/rejection.py), append the accepted
-        tokens (cut at the first stop), roll the rejected tail back and publish verified blocks."""
-        order = sorted(drafts)
-        rows: list[int] = []
-        spans: list[VerifySpan] = []
-        for i in order:
-            s, d = scheduled[i], drafts[i]
-            start, n = batch.chunk_rows[i]
-            rows.extend(range(start, start + n))
-            spans.append(VerifySpan([self._sample_row(s.seq, s.draft_ids[:j]) for j in range(n)],
-                                    s.draft_ids, d.probs))
+    def _sample(self, batch, seqs: list[Sequence], rows: list[int], it: IterationStats,
+                touched: dict[str, Request]) -> None:
+        """Sample one token for each of ``seqs`` from its logits row (grammar bitmask applied) and append it."""
         logits = self.runner.compute_logits(batch, rows)
+        t_mask = time.perf_counter()
+        bitmask = self._grammar_bitmask(seqs)
+        it.structured_output_mask_s = time.perf_counter() - t_mask
+        tokens, lps = sample(logits, [self._sample_row(s) for s in seqs], bitmask)
         now = time.monotonic()
-        for i, r in zip(order, verify(logits, spans)):
-            seq = scheduled[i].seq
-            k = len(scheduled[i].draft_ids)
-            it.num_drafts += 1
-            it.num_draft_tokens += k
-            it.num_accepted_tokens += r.num_accepted
-            per_pos = it.num_accepted_tokens_per_pos
-            per_pos.extend([0] * (k - len(per_pos)))
-            for j in range(r.num_accepted):
-                per_pos[j] += 1
-            self.scheduler.rollback(seq, k, r.num_accepted)
-            for tok, lp in zip(r.token_ids, r.logprobs):
-                self._append_token(seq, tok, lp)
-                it.num_generation_tokens += 1
-                if seq.is_finished:
-                    break
-            if not seq.is_finished:
-                self.scheduler.publish_computed_blocks(seq)
-            m = seq.request.metrics
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            touched[seq.request.request_id] = seq.request
+        for seq, tok, lp in zip(seqs, tokens, lps):
+            jumped = self.output.append(seq, tok, lp)
+            it.num_generation_tokens += 1 + jumped
+            it.num_jump_forward_tokens += jumped
+            req = seq.request
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            req.metrics.last_token_time = now
+            touched[req.request_id] = req
 
     # --- helpers -------------------------------------------------------------------------------
     def _finish_without_sampling(self, req: Request, seq: Sequence) -> None:
@@ -536,7 +473,7 @@ class LLMEngine:
             self._new_sequence(req, k, list(seq.token_ids))
         for s in req.seqs:
             if not s.is_finished:
-                self._finish(s, "length")
+                self.output.finish(s, "length")
 
     def _grammar_bitmask(self, seqs: list[Sequence]):
         """(bitmask, rows) of the sequences under a grammar, or None when there is none."""
@@ -564,66 +501,6 @@ class LLMEngine:
             stop_ids_for_min_tokens=stop_ids,
         )
 
-    def _logprob_entry(self, tok: int, lp: TokenLogprobs) -> dict[int, Logprob]:
-        d = {tok: Logprob(tok, lp.logprob, self.tokenizer.id_to_piece(tok), lp.rank)}
-        for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
-            if t not in d:
-                d[t] = Logprob(t, v, self.tokenizer.id_to_piece(t), r)
-        return d
-
-    def _append_token(self, seq: Sequence, tok: int, lp: TokenLogprobs | None) -> int:
-        """Append the sampled token (and, with jump-forward, the grammar's forced tokens after it), check
-        stop conditions; returns how many tokens jump-forward added beyond the sampled one."""
-        req = seq.request
-        p = req.params
-        seq.token_ids.append(tok)
-        if seq.logprobs is not None and lp is not None:
-            seq.logprobs.append(self._logprob_entry(tok, lp))
-        g = seq.grammar
-        if g is not None and not g.accept(tok):  # cannot happen under the bitmask; end the sequence, never crash
-            logger.error("request %s: sampled token %d outside its grammar", req.request_id, tok)
-            self._finish(seq, "stop")
-            return 0
-        toks = [tok]
-        if (g is not None and self.config.enable_jump_forward and seq.logprobs is None
-                and not g.is_terminated and tok not in p.stop_token_ids):
-            budget = min(req.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) + 1
-            plan = plan_jump_forward(g, self.tokenizer, seq.output_token_ids, budget)
-            if plan is not None:
-                seq.token_ids[-1:] = plan
-                toks = plan
-        reason = None
-        for tok in toks:
-            if tok in p.stop_token_ids:
-                reason, seq.stop_reason = "stop", tok
-            elif tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
-                reason = "stop"
-            else:
-                delta = seq.detok.add(tok)
-                if delta:
-                    old = len(seq.text)
-                    seq.text += delta
-                    if p.stop:
-                        m = find_stop(seq.text, old, p.stop)
-                        if m is not None:
-                            idx, s = m
-                            seq.text = seq.text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
-                            reason, seq.stop_reason = "stop", s
-            if reason is not None:
-                break
-        if reason is None and g is not None and g.is_terminated:
-            reason = "stop"  # ignore_eos: the grammar ended, nothing may follow
-        if reason is None and (seq.num_output_tokens >= req.max_tokens or len(seq.token_ids) >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
-            self._finish(seq, reason)
-        return len(toks) - 1
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
-        self.scheduler.remove(seq)
-        seq.status = SeqStatus.FINISHED
-
     def _prompt_logprobs(self, scheduled: list[ScheduledSeq], batch) -> None:
         for i, s in enumerate(scheduled):
             req = s.seq.request
@@ -639,30 +516,4 @@ class LLMEngine:
             logits = self.runner.compute_logits(batch, list(range(start + first - p0, start + last - p0)))
             nxt = req.prompt_token_ids[first + 1 : last + 1]
             for tok, lp in zip(nxt, prompt_logprobs(logits, nxt, req.params.prompt_logprobs)):
-                pl.append(self._logprob_entry(tok, lp))
-
-    def _make_output(self, req: Request) -> RequestOutput:
-        comps = []
-        for seq in sorted(req.seqs, key=lambda s: s.index):
-            stops = req.params.stop
-            visible = len(seq.text)
-            if stops and not seq.is_finished:
-                visible -= partial_stop_len(seq.text, stops)
-            visible = max(visible, seq.emitted_text_len)
-            text = seq.text[:visible]
-            out_ids = seq.output_token_ids
-            lps = seq.logprobs
-            comps.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(out_ids),
-                delta_text=text[seq.emitted_text_len:], delta_token_ids=out_ids[seq.emitted_tokens:],
-                logprobs=list(lps) if lps is not None else None,
-                delta_logprobs=lps[seq.emitted_tokens:] if lps is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            ))
-            seq.emitted_text_len = visible
-            seq.emitted_tokens = len(out_ids)
-        return RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-            outputs=comps, finished=req.finished, prompt_logprobs=req.prompt_logprobs, metrics=req.metrics,
-            num_cached_tokens=req.num_cached_tokens,
-        )
+                pl.append(self.output.logprob_entry(tok, lp))

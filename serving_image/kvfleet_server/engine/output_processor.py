@@ -1,0 +1,123 @@
+"""OutputProcessor: what happens to a sampled token — logprobs, grammar acceptance and jump-forward,
+detokenization, stop conditions (stop tokens, EOS, stop strings, length) — and the RequestOutputs
+(cumulative text plus the delta since the last one) the engine returns.
+
+After vLLM v1's ``OutputProcessor`` / ``Detokenizer``; stop strings are held back while they may still
+match (``detokenizer.partial_stop_len``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .detokenizer import find_stop, partial_stop_len
+from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..sample.jump_forward import plan_jump_forward
+from ..sample.sampler import TokenLogprobs
+from ..sequence import Request, Sequence, SeqStatus
+
+logger = logging.getLogger("kvfleet.engine")
+
+
+class OutputProcessor:
+    """Appends sampled tokens to sequences and builds RequestOutputs (engine thread only).
+
+    Args:
+        tokenizer: kvfleet ``Tokenizer`` (pieces for logprobs, EOS ids, detokenization, jump-forward).
+        scheduler: the ``Scheduler`` a finished sequence is removed from (its blocks freed at once).
+        max_model_len: longest prompt + output (tokens).
+        config: the EngineConfig (``enable_jump_forward``: append the tokens a grammar forces after a sampled
+            one, SGLang's jump-forward).
+    """
+
+    def __init__(self, tokenizer, scheduler, max_model_len: int, config):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self.config = config
+
+    def logprob_entry(self, tok: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        d = {tok: Logprob(tok, lp.logprob, self.tokenizer.id_to_piece(tok), lp.rank)}
+        for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            if t not in d:
+                d[t] = Logprob(t, v, self.tokenizer.id_to_piece(t), r)
+        return d
+
+    def append(self, seq: Sequence, tok: int, lp: TokenLogprobs | None) -> int:
+        """Append the sampled token (and, with jump-forward, the grammar's forced tokens after it), check
+        stop conditions; returns how many tokens jump-forward added beyond the sampled one."""
+        req = seq.request
+        p = req.params
+        seq.token_ids.append(tok)
+        if seq.logprobs is not None and lp is not None:
+            seq.logprobs.append(self.logprob_entry(tok, lp))
+        g = seq.grammar
+        if g is not None and not g.accept(tok):  # cannot happen under the bitmask; end the sequence, never crash
+            logger.error("request %s: sampled token %d outside its grammar", req.request_id, tok)
+            self.finish(seq, "stop")
+            return 0
+        toks = [tok]
+        if (g is not None and self.config.enable_jump_forward and seq.logprobs is None
+                and not g.is_terminated and tok not in p.stop_token_ids):
+            budget = min(req.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) + 1
+            plan = plan_jump_forward(g, self.tokenizer, seq.output_token_ids, budget)
+            if plan is not None:
+                seq.token_ids[-1:] = plan
+                toks = plan
+        reason = None
+        for tok in toks:
+            if tok in p.stop_token_ids:
+                reason, seq.stop_reason = "stop", tok
+            elif tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
+                reason = "stop"
+            else:
+                delta = seq.detok.add(tok)
+                if delta:
+                    old = len(seq.text)
+                    seq.text += delta
+                    if p.stop:
+                        m = find_stop(seq.text, old, p.stop)
+                        if m is not None:
+                            idx, s = m
+                            seq.text = seq.text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
+                            reason, seq.stop_reason = "stop", s
+            if reason is not None:
+                break
+        if reason is None and g is not None and g.is_terminated:
+            reason = "stop"  # ignore_eos: the grammar ended, nothing may follow
+        if reason is None and (seq.num_output_tokens >= req.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self.finish(seq, reason)
+        return len(toks) - 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def make_output(self, req: Request) -> RequestOutput:
+        comps = []
+        for seq in sorted(req.seqs, key=lambda s: s.index):
+            stops = req.params.stop
+            visible = len(seq.text)
+            if stops and not seq.is_finished:
+                visible -= partial_stop_len(seq.text, stops)
+            visible = max(visible, seq.emitted_text_len)
+            text = seq.text[:visible]
+            out_ids = seq.output_token_ids
+            lps = seq.logprobs
+            comps.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(out_ids),
+                delta_text=text[seq.emitted_text_len:], delta_token_ids=out_ids[seq.emitted_tokens:],
+                logprobs=list(lps) if lps is not None else None,
+                delta_logprobs=lps[seq.emitted_tokens:] if lps is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            ))
+            seq.emitted_text_len = visible
+            seq.emitted_tokens = len(out_ids)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+            outputs=comps, finished=req.finished, prompt_logprobs=req.prompt_logprobs, metrics=req.metrics,
+            num_cached_tokens=req.num_cached_tokens,
+        )
