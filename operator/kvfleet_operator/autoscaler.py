@@ -161,7 +161,8 @@ async def tick(obj: Mapping[str, Any], state: AutoscalerState, client: kube.Kube
     current = int((dep.get("spec") or {}).get("replicas", 1))
     match = ((dep.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
     selector = ",".join(f"{k}={v}" for k, v in sorted(match.items()))
-    pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector or None, cached=True)
+    pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector or None,
+                                         not_older_than=kube.seen("pods"))
             if _selected(p, match) and not (p.get("metadata") or {}).get("deletionTimestamp")]
 
     wall = datetime.datetime.now(datetime.UTC)

@@ -260,12 +260,12 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             template_written = action == "create" or "template" in (body.get("spec") or {})
     routed = await routing_sync.sync(client, obj, spec, children.routing, logger)
     selector = render.selector_string(name)
-    serving_pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector, cached=True)
+    serving_pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector,
+                                                       not_older_than=kube.seen("pods"))
                     if all((p.get("metadata", {}).get("labels") or {}).get(k) == v
                            for k, v in render.selector_labels(name).items())]
     events = [e for pod in pods.starting_pods(serving_pods)
-              for e in await client.list("v1", "events", namespace, field_selector=pods.event_selector(pod),
-                                         cached=True)]
+              for e in await client.list("v1", "events", namespace, field_selector=pods.event_selector(pod))]
     downloads = await weights.observe(client, obj, spec, plan, serving_pods)
     old_degraded = st.get_condition(obj.get("status"), st.DEGRADED) or {}
     report = failure is not None and (retry >= CHILD_FAILURE_REPORTED_AT_RETRY or
@@ -370,6 +370,7 @@ async def pod_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     owner's status within one reconcile, and so does its recovery. A model-download pod's changes (it
     starts, finishes, fails: a few per download) always do: ModelReady follows them."""
     meta = body.get("metadata", {})
+    kube.saw("pods", meta.get("resourceVersion"))  # before the pass: its lists must reflect this event
     labels = meta.get("labels") or {}
     download = labels.get("app.kubernetes.io/component") == cache.DOWNLOAD_COMPONENT
     await _child_event(meta.get("namespace"), labels.get(render.OWNER_LABEL), logger,

@@ -92,6 +92,32 @@ async def close_client() -> None:
         await client.close()
 
 
+def revision(resource_version: str | None) -> int:
+    """An object's resourceVersion as a number to compare (the API server's versions are etcd revisions);
+    0 when it has none or it is not a number."""
+    try:
+        return int(resource_version or 0)
+    except ValueError:
+        return 0
+
+
+_seen: dict[str, int] = {}
+
+
+def saw(plural: str, resource_version: str | None) -> None:
+    """Record that this process observed a ``plural`` object (a watch event) at ``resource_version``."""
+    _seen[plural] = max(_seen.get(plural, 0), revision(resource_version))
+
+
+def seen(plural: str) -> int:
+    """The newest resourceVersion of a ``plural`` object this process observed (0: none yet): a list of
+    ``plural`` at least this new (``KubeClient.list(not_older_than=...)``) reflects every event the
+    operator has acted on. The API server's watch cache of ``plural`` always reaches it, as it is one of
+    that resource's own revisions (a revision of another resource may never come: its cache then answers
+    504 "Too large resource version" after 3 s)."""
+    return _seen.get(plural, 0)
+
+
 def resource_path(api_version: str, plural: str, namespace: str | None, name: str | None = None,
                   subresource: str | None = None) -> str:
     """REST path, e.g. ('apps/v1', 'deployments', 'ns', 'x') -> /apis/apps/v1/namespaces/ns/deployments/x."""
@@ -218,20 +244,24 @@ class KubeClient:
             raise
 
     async def list(self, api_version: str, plural: str, namespace: str | None, label_selector: str | None = None,
-                   field_selector: str | None = None, cached: bool = False) -> list[dict[str, Any]]:
+                   field_selector: str | None = None, not_older_than: int | None = None) -> list[dict[str, Any]]:
         """Items of a list call (selectors in the API's syntax: labels 'a=b,c=d', fields
         'metadata.name=x,type=Warning').
 
-        cached: served from the API server's watch cache (``resourceVersion=0``, as an informer's first
-        list) rather than read from etcd. A selector list from etcd reads and decodes every object of
-        the namespace, so a list per reconcile pass costs O(objects) each and O(objects²) in all; from
-        the cache it is filtered in memory. The cache is the one the operator's own watches are served
-        from, so on one API server it holds at least the state of the event that triggered the pass; with
-        several API servers another's cache may lag by its watch latency, and the event it has not yet
-        applied triggers the next pass."""
+        not_older_than: None (default): a consistent read, which on etcd 3.4 or without
+        ConsistentListFromCache reads and decodes every object of the namespace, so that one such list per
+        reconcile pass costs O(objects) each and O(objects²) in all. An int: answered from the API server's
+        watch cache and filtered in memory, at least as new as that resourceVersion
+        (``resourceVersionMatch=NotOlderThan``; the server first lets its cache catch up) or, for 0, at any
+        version (``resourceVersion=0``, an informer's first list). Pass ``seen(plural)``: with several API
+        servers, one's cache may lag the watch the operator's event came from.
+
+        Raises ApiError (504 when the cache does not reach the version within the server's wait)."""
         params = {k: v for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if v}
-        if cached:
+        if not_older_than == 0:
             params["resourceVersion"] = "0"
+        elif not_older_than is not None:
+            params.update(resourceVersion=str(not_older_than), resourceVersionMatch="NotOlderThan")
         data = await self.request("GET", resource_path(api_version, plural, namespace), params=params or None)
         return list((data or {}).get("items") or [])
 

@@ -24,7 +24,8 @@ from decimal import Decimal
 from typing import Any, Mapping
 
 import pydantic
-from kvfleet_server.cli import FlagError, parse_flags, threads_for_cpus
+from kvfleet_server.flags import FlagError, parse_flags
+from kvfleet_server.threads import threads_for_cpus
 from kvfleet_server.errors import UnsupportedFeatureError
 
 from . import api, cache, routing, runtime, strict
@@ -300,7 +301,7 @@ def cpu_threads(spec: api.InferenceServiceSpec) -> int | None:
 
 
 def check_server_args(args: list[str]) -> None:
-    """Ask kvfleet-server's own flag check (``kvfleet_server.cli.parse_flags`` and the one refusal list,
+    """Ask kvfleet-server's own flag check (``kvfleet_server.flags.parse_flags`` and the one refusal list,
     ``kvfleet_server.unsupported``) whether it would start with ``args``; Unrealisable naming the spec
     field when it would exit at start-up instead."""
     try:

@@ -1,7 +1,7 @@
 """Serving runtimes (``spec.engine.runtime``) and the one table of which server flags each accepts.
 
 - ``kvfleet`` (the default): ``kvfleet-server`` in the serving image (the chart's ``servingImage``); its own
-  flag check (``kvfleet_server.cli.parse_flags``) judges the rendered command line at render time.
+  flag check (``kvfleet_server.flags.parse_flags``) judges the rendered command line at render time.
 - ``vllm``: upstream vLLM's OpenAI server, ``vllm serve MODEL [flags]`` in ``vllm/vllm-openai:<tag>`` (the
   chart's ``vllmImage``, the operator's ``KVFLEET_VLLM_IMAGE``). kvfleet-server's flags, endpoints and metric
   names are vLLM's, so the same spec renders the same flags, port, probes (``/health``) and metrics

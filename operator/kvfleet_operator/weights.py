@@ -220,7 +220,8 @@ async def observe(client: kube.KubeClient, obj: dict[str, Any], spec: api.Infere
     sources = cache.downloaded(spec)
     if plan.jobs:
         pods = await client.list("v1", "pods", meta.get("namespace") or "default",
-                                 label_selector=cache.download_selector(meta["name"]), cached=True)
+                                 label_selector=cache.download_selector(meta["name"]),
+                                 not_older_than=kube.seen("pods"))
         for source in sources:
             job = plan.jobs[source.uri]
             job_name, state = job["metadata"]["name"], job_state(job)

@@ -130,12 +130,16 @@ class _Resolver:
         for node in ast.walk(tree):
             for child in ast.iter_child_nodes(node):
                 self.parents[child] = node
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module is None:
-                for a in node.names:
+            relative = isinstance(node, ast.ImportFrom) and node.level == 1
+            if (relative and node.module is None) or (isinstance(node, ast.ImportFrom) and node.level == 0
+                                                      and node.module == package):
+                for a in node.names:  # from . import mod / from kvfleet_operator import mod
                     self.aliases[a.asname or a.name] = f"{package}.{a.name}"
-            elif isinstance(node, ast.ImportFrom) and node.level == 1:
+            elif relative or (isinstance(node, ast.ImportFrom) and node.level == 0
+                              and (node.module or "").startswith(f"{package}.")):
+                module = f"{package}.{node.module}" if relative else node.module
                 for a in node.names:
-                    self.aliases[f"@{a.asname or a.name}"] = f"{package}.{node.module}:{a.name}"
+                    self.aliases[f"@{a.asname or a.name}"] = f"{module}:{a.name}"
             elif isinstance(node, ast.Import):
                 for a in node.names:
                     self.aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
@@ -252,18 +256,29 @@ class _Resolver:
         while cur in self.parents and not isinstance(cur, (ast.FunctionDef, ast.AsyncFunctionDef)):
             parent = self.parents[cur]
             guard = _guard(parent.test) if isinstance(parent, ast.If) and cur is not parent.test else None
-            if guard is not None and guard[0] in env and env[guard[0]] is not UNKNOWN:
+            if guard is not None and guard[0] in env and env[guard[0]] is not UNKNOWN \
+                    and self._local_assignments(guard[0], at) == []:  # a parameter never reassigned
                 if (env[guard[0]] == guard[1]) != (cur in parent.body):
                     return False
             cur = parent
         return True
 
     def _calls_into(self, module_name: str, func_name: str) -> list[ast.Call]:
-        """Calls in this module of ``module_name.func_name`` (``mod.func(...)`` or an imported ``func(...)``)."""
-        return [n for n in self.parents if isinstance(n, ast.Call) and (
-            (isinstance(n.func, ast.Attribute) and n.func.attr == func_name and isinstance(n.func.value, ast.Name)
-             and self.aliases.get(n.func.value.id) == module_name)
-            or (isinstance(n.func, ast.Name) and self.aliases.get(f"@{n.func.id}") == f"{module_name}:{func_name}"))]
+        """Calls in this module of ``module_name.func_name`` (``mod.func(...)`` or an imported ``func(...)``).
+        Any other use of it (an alias, a partial, a callback) is an AnalysisError: its calls could not be seen."""
+        calls = []
+        for n in self.parents:
+            ref = (isinstance(n, ast.Attribute) and n.attr == func_name and isinstance(n.value, ast.Name)
+                   and self.aliases.get(n.value.id) == module_name) or \
+                (isinstance(n, ast.Name) and self.aliases.get(f"@{n.id}") == f"{module_name}:{func_name}")
+            if not ref or isinstance(self.parents[n], (ast.alias, ast.ImportFrom)):
+                continue
+            call = self.parents[n]
+            if not (isinstance(call, ast.Call) and call.func is n):
+                raise AnalysisError(f"{self.module_name}:{getattr(n, 'lineno', '?')}: {module_name}.{func_name} "
+                                    f"is used other than by a call; its resource arguments cannot be followed")
+            calls.append(call)
+        return calls
 
     def _parameter_values(self, name: str, at: ast.AST, depth: int) -> list[Any]:
         """Values of parameter ``name`` over the calls of its function (UNKNOWN when never called)."""

@@ -164,8 +164,8 @@ def test_cpu_serving_image_bundles_smollm2():
 
 
 def _server_cli_accepts(cmd: list[str]) -> None:
-    cli = pytest.importorskip("kvfleet_server.cli")
-    args = cli.build_parser().parse_args(cmd)
+    flags = pytest.importorskip("kvfleet_server.flags")
+    args = flags.build_parser().parse_args(cmd)
     assert args.port == 8000 and args.host == "0.0.0.0"
 
 

@@ -358,3 +358,68 @@ def test_http_clients_and_dict_get_are_not_api_calls():
             return d.get("key"), {}.get("v1")
     """)
     assert got == set()
+
+
+def _fake_package(tmp_path, modules: dict[str, str]):
+    pkg = tmp_path / "fakeop"
+    pkg.mkdir()
+    for name, src in modules.items():
+        (pkg / f"{name}.py").write_text(textwrap.dedent(src))
+    return pkg
+
+
+HELPER = """
+    async def write(client, action, api_version, plural, namespace, body):
+        if action == "create":
+            return await client.create(api_version, plural, namespace, body)
+        elif action == "patch":
+            return await client.patch(api_version, plural, namespace, body["name"], body)
+        elif action == "delete":
+            await client.delete(api_version, plural, namespace, body["name"])
+"""
+
+
+def test_a_helper_is_resolved_through_its_calls_in_other_modules(tmp_path):
+    pkg = _fake_package(tmp_path, {"helper": HELPER, "user": """
+        from . import helper
+        async def go(client, body):
+            await helper.write(client, "create", "batch/v1", "jobs", "ns", body)
+        """, "other": """
+        from fakeop import helper
+        async def go(client, body, action):
+            await helper.write(client, action, "v1", "secrets", "ns", body)
+        """})
+    keys = {(r.group, r.resource, r.verb) for r in ra.analyze_package(pkg, package="fakeop")}
+    # the constant action keeps only its branch; an unknown one (and an absolute import) keeps every branch
+    assert keys == {("batch", "jobs", "create"), ("", "secrets", "create"), ("", "secrets", "patch"),
+                    ("", "secrets", "delete")}
+
+
+def test_a_helper_used_other_than_by_a_call_is_an_error(tmp_path):
+    pkg = _fake_package(tmp_path, {"helper": HELPER, "user": """
+        from . import helper
+        async def go(client, body):
+            await helper.write(client, "create", "batch/v1", "jobs", "ns", body)
+        async def hidden(client, body):
+            w = helper.write
+            await w(client, "create", "v1", "secrets", "ns", body)
+        """})
+    with pytest.raises(ra.AnalysisError, match="used other than by a call"):
+        ra.analyze_package(pkg, package="fakeop")
+
+
+def test_a_reassigned_guard_prunes_no_branch(tmp_path):
+    pkg = _fake_package(tmp_path, {"helper": """
+        async def write(client, action, api_version, plural, namespace, body):
+            if action == "ensure":
+                action = "create" if body else "patch"
+            if action == "create":
+                return await client.create(api_version, plural, namespace, body)
+            return await client.patch(api_version, plural, namespace, body["name"], body)
+        """, "user": """
+        from . import helper
+        async def go(client, body):
+            await helper.write(client, "ensure", "batch/v1", "jobs", "ns", body)
+        """})
+    keys = {(r.group, r.resource, r.verb) for r in ra.analyze_package(pkg, package="fakeop")}
+    assert keys == {("batch", "jobs", "create"), ("batch", "jobs", "patch")}

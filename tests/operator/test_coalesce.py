@@ -70,3 +70,19 @@ async def test_a_cancelled_waiter_leaves_no_queued_pass(passes):
     await later
     assert [n for n, _ in runs] == ["a", "a"]
     assert not handlers._locks
+
+
+async def test_a_pod_event_raises_the_pod_lists_floor_before_its_pass(monkeypatch):
+    """The pass a pod event triggers, or the queued pass that covers it, lists pods at least as new as the
+    event (``kube.seen``), so a lagging API server's watch cache cannot hide it."""
+    monkeypatch.setattr(kube, "_seen", {})
+    floors: list[int] = []
+
+    async def child_event(namespace, owner, logger, only_if=None):
+        floors.append(kube.seen("pods"))
+
+    monkeypatch.setattr(handlers, "_child_event", child_event)
+    body = {"metadata": {"name": "p", "namespace": "ns", "resourceVersion": "321",
+                         "labels": {handlers.render.OWNER_LABEL: "a"}}, "status": {}}
+    await handlers.pod_event(body=body, logger=handlers.logging.getLogger("test"))
+    assert floors == [321]

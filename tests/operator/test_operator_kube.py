@@ -166,3 +166,34 @@ async def test_field_selectors_reach_the_server(api):
     assert [e["metadata"]["name"] for e in got] == ["e1"]
     assert [e["metadata"]["name"] for e in await api.list("v1", "events", "ns", field_selector="type!=Warning")] \
         == ["e2"]
+
+
+async def test_list_freshness_reaches_the_server(unused_tcp_port, monkeypatch):
+    """A consistent read by default; from the watch cache at any version (0) or at least as new as the
+    newest pod event the operator acted on (NotOlderThan), which only a pod event raises."""
+    from aiohttp import web
+    queries: list[dict[str, str]] = []
+
+    async def items(request):
+        queries.append(dict(request.query))
+        return web.json_response({"items": []})
+
+    app = web.Application()
+    app.router.add_get("/{tail:.*}", items)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", unused_tcp_port).start()
+    client = kube.KubeClient(kopf.ConnectionInfo(server=f"http://127.0.0.1:{unused_tcp_port}", token="t"))
+    monkeypatch.setattr(kube, "_seen", {})
+    try:
+        await client.list("v1", "pods", "ns", label_selector="a=b")
+        await client.list("v1", "pods", "ns", not_older_than=kube.seen("pods"))
+        kube.saw("pods", "120")
+        kube.saw("pods", "95")  # an older event (another pod's) never lowers it
+        kube.saw("deployments", "400")  # another resource's revision: the pods cache may never reach it
+        await client.list("v1", "pods", "ns", not_older_than=kube.seen("pods"))
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert queries == [{"labelSelector": "a=b"}, {"resourceVersion": "0"},
+                       {"resourceVersion": "120", "resourceVersionMatch": "NotOlderThan"}]

@@ -115,7 +115,7 @@ def test_layer_skip_renders_exactly_the_server_json():
 
 
 def test_speculation_with_tensor_parallelism_renders_a_config_the_server_runs():
-    from kvfleet_server.cli import build_parser, engine_config
+    from kvfleet_server.flags import build_parser, engine_config
 
     spec = {**HF, "engine": {"tensorParallelSize": 2,
                              "speculative": {"method": "layer_skip", "numSpeculativeTokens": 3, "numDraftLayers": 12}}}
@@ -302,7 +302,7 @@ def test_rendered_args_parse_with_kvfleet_server(sample, monkeypatch):
     import yaml
 
     from kvfleet_server import unsupported
-    from kvfleet_server.cli import build_parser
+    from kvfleet_server.flags import build_parser
 
     obj = yaml.safe_load(sample.read_text())
     marked = sample.read_text().startswith("# Not runnable yet:")
@@ -324,7 +324,7 @@ def test_cpu_sample_is_a_config_the_server_runs():
     """The kind sample must start: kvfleet-server builds its EngineConfig from the rendered flags."""
     import yaml
 
-    from kvfleet_server.cli import build_parser, engine_config
+    from kvfleet_server.flags import build_parser, engine_config
 
     root = __import__("pathlib").Path(__file__).resolve().parents[2]
     obj = yaml.safe_load((root / "crds" / "samples" / "smollm2-135m-cpu.yaml").read_text())
@@ -445,7 +445,7 @@ def test_pull_secrets_and_service_account_reach_the_pods():
 def test_quantization_fields_render_flags_the_server_accepts(quantization, kv):
     """engine.quantization / engine.kvCacheDtype: every enum value renders a flag kvfleet-server's
     EngineConfig accepts (no refusal)."""
-    from kvfleet_server.cli import build_parser, engine_config
+    from kvfleet_server.flags import build_parser, engine_config
 
     model = {"uri": "bundled://smollm2"} if quantization == "gguf" else HF["model"]
     args = container(render.render(isvc({"model": model, "engine": {"quantization": quantization,

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from kvfleet_operator import admission, render, routing
-from kvfleet_server.cli import parse_flags
+from kvfleet_server.flags import parse_flags
 from kvfleet_server.metrics import ServerMetrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/chart is the package `chart`

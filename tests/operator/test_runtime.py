@@ -18,7 +18,7 @@ import yaml
 from kmock_support import running_operator, wait_for
 from kvfleet_operator import api as isvc_api
 from kvfleet_operator import cli, render, runtime
-from kvfleet_server.cli import build_parser as kvfleet_parser
+from kvfleet_server.flags import build_parser as kvfleet_parser
 from test_torch_free_render import engine_field_specs
 
 ROOT = Path(__file__).resolve().parents[2]

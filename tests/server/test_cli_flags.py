@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kvfleet_server.cli import build_parser, engine_config
+from kvfleet_server.flags import build_parser, engine_config
 from kvfleet_server.errors import UnsupportedFeatureError
 
 VLLM_FLAGS = ["--model", "--served-model-name", "--host", "--port", "--dtype", "--device", "--block-size",
@@ -87,14 +87,14 @@ def test_model_that_cannot_load_exits_non_zero_with_the_reason(tmp_path):
 
 
 def test_engine_threads_default_to_the_usable_cpus(monkeypatch):
-    from kvfleet_server import cli
+    from kvfleet_server import threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(cli, "available_cpus", lambda: 8)
+    monkeypatch.setattr(threads, "available_cpus", lambda: 8)
     assert engine_config(build_parser().parse_args([])).num_threads == 8
     assert engine_config(build_parser().parse_args(["-tp", "2"])).num_threads == 4
     assert engine_config(build_parser().parse_args(["--num-threads", "3"])).num_threads == 3
-    monkeypatch.setattr(cli, "available_cpus", lambda: 1)
+    monkeypatch.setattr(threads, "available_cpus", lambda: 1)
     assert engine_config(build_parser().parse_args([])).num_threads == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert engine_config(build_parser().parse_args([])).num_threads is None  # torch reads OMP_NUM_THREADS itself
@@ -146,7 +146,7 @@ VLLM_COMMAND_LINES = [
 def test_real_vllm_command_lines_are_accepted_or_refused_by_name(line, refused, tmp_path):
     import shlex
 
-    from kvfleet_server.cli import FlagError, parse_flags
+    from kvfleet_server.flags import FlagError, parse_flags
 
     argv = shlex.split(line.replace("/tmp/template.jinja", str(tmp_path / "t.jinja")))
     (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
@@ -160,7 +160,8 @@ def test_real_vllm_command_lines_are_accepted_or_refused_by_name(line, refused, 
 
 
 def test_accepted_vllm_flags_keep_vllms_meaning(tmp_path):
-    from kvfleet_server.cli import parse_flags, read_chat_template
+    from kvfleet_server.flags import parse_flags
+    from kvfleet_server.cli import read_chat_template
 
     a = parse_flags(["/models/x", "--served-model-name", "a", "b", "--max-logprobs", "50", "--root-path", "/llm",
                      "--allowed-origins", '["https://chat.example"]'])
@@ -198,7 +199,7 @@ def test_help_shows_the_real_defaults():
 
 def test_api_key_help_names_exactly_the_open_endpoints():
     from kvfleet_server.api.app import OPEN_PATHS
-    from kvfleet_server.cli import API_KEY_HELP
+    from kvfleet_server.flags import API_KEY_HELP
 
     named = {w.strip(",();") for w in API_KEY_HELP.split() if w.startswith("/")}
     assert named - {"/v1", "/tokenize", "/detokenize"} == set(OPEN_PATHS)

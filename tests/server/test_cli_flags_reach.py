@@ -11,7 +11,9 @@ from dataclasses import fields
 
 import pytest
 
-from kvfleet_server.cli import build_parser, engine_config, parse_flags, server_settings, uvicorn_settings
+from kvfleet_server.flags import build_parser, engine_config, parse_flags
+
+from kvfleet_server.cli import server_settings, uvicorn_settings
 from kvfleet_server.config import EngineConfig, KVEventsConfig
 from kvfleet_server.errors import UnsupportedFeatureError
 

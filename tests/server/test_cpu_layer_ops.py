@@ -104,7 +104,7 @@ def test_engine_uses_fused_ops_by_default_and_the_knob_turns_them_off(tiny_engin
 
 
 def test_cli_flag_reaches_the_engine_config():
-    from kvfleet_server.cli import build_parser, engine_config
+    from kvfleet_server.flags import build_parser, engine_config
 
     assert engine_config(build_parser().parse_args(["--no-cpu-fused-ops"])).cpu_fused_ops is False
     assert engine_config(build_parser().parse_args([])).cpu_fused_ops is True

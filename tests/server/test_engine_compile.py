@@ -141,7 +141,7 @@ def test_tensor_parallel_linears_compile(tiny_llama_dir):
 
 
 def test_compilation_level_defaults_and_flags():
-    from kvfleet_server.cli import parse_flags
+    from kvfleet_server.flags import parse_flags
 
     assert EngineConfig(device="cpu").resolved_compilation_level() == 0  # measured: no gain on the CPU
     assert EngineConfig(device="cuda").resolved_compilation_level() == 3

@@ -16,7 +16,7 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfleet_server.cli import FlagError, parse_flags
+from kvfleet_server.flags import FlagError, parse_flags
 from kvfleet_server.config import KVEventsConfig
 from kvfleet_server.sequence import hash_block_tokens
 from kvfleet_server.kv_events import ZmqEventPublisher

@@ -256,7 +256,7 @@ def test_prompt_token_counters_have_vllms_meaning_with_prefix_cache_hits(server)
 @pytest.mark.parametrize("log_stats", [True, False])
 def test_disable_log_stats_silences_the_periodic_line(log_stats):
     # vLLM's --disable-log-stats: kvfleet-server passes it as ServerSettings.log_stats
-    from kvfleet_server.cli import parse_flags
+    from kvfleet_server.flags import parse_flags
 
     assert parse_flags(["--disable-log-stats"]).disable_log_stats and not parse_flags([]).disable_log_stats
     m = ServerState(ServerSettings(served_model_names=["m"], log_stats=log_stats)).metrics

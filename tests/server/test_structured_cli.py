@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvfleet_server.cli import build_parser, engine_config
+from kvfleet_server.flags import build_parser, engine_config
 
 
 def test_flags_reach_engine_config():

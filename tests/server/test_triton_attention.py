@@ -81,7 +81,7 @@ def test_engine_refuses_triton_on_cpu(tiny_engine_factory, monkeypatch):
 
 
 def test_config_and_flag_validation():
-    from kvfleet_server.cli import FlagError, engine_config, parse_flags
+    from kvfleet_server.flags import FlagError, engine_config, parse_flags
     from kvfleet_server.config import EngineConfig
 
     with pytest.raises(ValueError, match="attention_backend must be one of"):

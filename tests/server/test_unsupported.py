@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from kvfleet_server import unsupported
 from kvfleet_server.api import ServerSettings, ServerState, build_app
 from kvfleet_server.api.protocol import ChatCompletionRequest, CompletionRequest
-from kvfleet_server.cli import parse_flags
+from kvfleet_server.flags import parse_flags
 from kvfleet_server.errors import UnsupportedFeatureError
 
 from server_fake_engine import FakeEngine
@@ -108,6 +108,6 @@ def test_docs_carry_the_generated_table():
 
 def test_the_list_is_pure():
     # the operator image has no torch: importing the list (and the flag check) must not pull it in
-    code = ("import sys, kvfleet_server.unsupported, kvfleet_server.cli; kvfleet_server.cli.parse_flags([]); "
+    code = ("import sys, kvfleet_server.unsupported, kvfleet_server.flags; kvfleet_server.flags.parse_flags([]); "
             "assert 'torch' not in sys.modules and 'fastapi' not in sys.modules, sorted(sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
