@@ -3,7 +3,7 @@
 
 The speculative scheduler prices a step with γ drafts at 1 + γ·c plain decode steps, c = draft cost +
 ``spec_decode.proposer.VERIFY_COST`` (the break-even acceptance logged at start-up; DraftGate in
-engine/scheduler.py). This script measures the verify part of c on this machine: for B sequences
+spec_decode/gate.py). This script measures the verify part of c on this machine: for B sequences
 (batch 1 and 8) over a cached context of ``--context`` tokens it times the target's pass over each
 sequence's last token plus γ draft tokens — attention over the paged cache in the backend the engine
 picked, the logits of all 1 + γ rows, as a verification computes them — for γ in ``--drafts``, and

@@ -1,6 +1,7 @@
 """The ``kvfleet-server`` command line: vLLM's flag names and meanings, and the start-up checks on them.
 
-Torch-free and without I/O: ``kvfleet-operator render`` asks ``parse_flags`` about the command line it
+Torch-free, and reading nothing but the CPU affinity and cgroup quota (the default ``--num-threads``):
+``kvfleet-operator render`` asks ``parse_flags`` about the command line it
 renders, so a spec the server would refuse is refused at render time with the same message."""
 
 from __future__ import annotations

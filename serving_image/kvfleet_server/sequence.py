@@ -176,7 +176,7 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids: copy-on-write, partial hits
-    pinned: list = field(default_factory=list)  # source blocks of partial hits, released after the copies
+    pinned: list = field(default_factory=list)  # source blocks of partial hits: decref'd before the copies run, safe as nothing allocates in between
     preempted: list[Sequence] = field(default_factory=list)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

@@ -1,4 +1,4 @@
-"""The engine's layers, derived from its imports: an import only ever points down (DESIGN.md).
+"""The engine's layers, derived from its imports: an import only ever points down (docs/engine.md, "Files").
 
 The units are kvfleet_server's subpackages (attention/, model/, executor/, ...) and its root modules
 (config.py, sequence.py, distributed.py, ...). Every import between two units is an edge, module-level

@@ -90,7 +90,7 @@ def test_draft_costs_follow_the_weights_read(tiny_engine_factory):
     assert draft_cost(layer_skip, m, cfg, torch.float32, 64) == pytest.approx(
         decode_read_bytes(m, 1) / decode_read_bytes(m))
     ngram = tiny_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    assert draft_cost(ngram.spec.config, m, cfg, torch.float32, 64) == 0.0
+    assert draft_cost(ngram.spec_config, m, cfg, torch.float32, 64) == 0.0
     assert ngram.scheduler.spec_min_acceptance == DraftGate.MIN_ACCEPTANCE  # the floor over a 0.1 break-even
     assert VERIFY_COST["cpu"] < DraftGate.MIN_ACCEPTANCE
 

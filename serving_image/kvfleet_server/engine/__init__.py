@@ -1,1 +1,2 @@
-"""The engine core: ``LLMEngine`` (llm_engine.py), the scheduler, sequences, the KV block pool and the detokenizer."""
+"""The engine core: ``LLMEngine`` (llm_engine.py), the scheduler, the KV block pool, the output processor and the
+detokenizer (the sequences they share are in ``sequence.py``)."""

@@ -1,11 +1,12 @@
 """LLMEngine: the step-level engine (add_request / abort_request / step / has_unfinished).
 
 Data flow of one ``step()``: schedule (``Scheduler.schedule()`` picks the sequences and token counts) →
-feature hooks (``SpecDecoder.before_forward`` fills reserved draft slots) → execute (the runner performs
-copy-on-write copies, builds the flat batch and runs the model over the paged KV cache) → sample (logits of
-the rows that sample, grammar bitmask, ``sample()``; ``SpecDecoder.verify`` for drafted rows) → process
-(``OutputProcessor``: tokens appended, detokenized, stop conditions checked; finished sequences release their
-blocks at once; RequestOutputs, cumulative + delta).
+feature hooks (``SpecDecoder.before_forward`` runs the copy-on-write copies the drafters must see and fills
+reserved draft slots) → execute (the runner performs the remaining copies, builds the flat batch and runs the
+model over the paged KV cache) → sample (``SpecDecoder.verify`` for drafted rows, then logits of the other
+rows that sample, grammar bitmask, ``sample()``) → process (``OutputProcessor.append`` as each token is
+accepted or sampled: detokenized, stop conditions checked, finished sequences release their blocks at once;
+then RequestOutputs, cumulative + delta).
 
 Not thread-safe: drive it from one thread (the HTTP server runs it in a dedicated thread).
 Aborted requests: ``abort_request`` frees the blocks immediately and the next ``step()`` returns one
@@ -31,7 +32,7 @@ from ..executor.engine_setup import build_shard, prepare_model, size_kv_pool
 from ..executor.workers import WorkerGroup, start_workers
 from ..model.layers.quant import model_weight_bytes, quantization_note
 from ..generation_config import read_generation_defaults
-from ..model.loader import GGUFModelFile, is_gguf, load_model_config
+from ..model.loader import GGUFModelFile, is_gguf, load_model_config, open_gguf
 from ..model.sharding import check_tp_size
 from ..outputs import RequestOutput
 from ..executor.model_runner import kv_bytes_per_token
@@ -118,20 +119,24 @@ class LLMEngine:
             # after the tokenizer thread: it imports transformers, which is not safe to import concurrently
             #: defaults of the sampling fields a request leaves unset (--generation-config; the server applies
             #: them, as vLLM's serving layer does: api/convert.py, LLM.get_default_sampling_params)
-            self.generation_defaults = read_generation_defaults(config.generation_config, path,
-                                                                gguf.reader if gguf is not None else None)
+            reader = None  # a warm start (GGUF cache hit) has no parsed file: parse it with the fast reader
+            if gguf is not None and config.generation_config == "auto":
+                reader = gguf.reader if gguf.reader is not None else open_gguf(path)
+            self.generation_defaults = read_generation_defaults(config.generation_config, path, reader)
             logger.info("request defaults: %s", self.generation_defaults.describe())
             if gguf is not None:
                 gguf.close()  # drop the file mapping: the weights are copied into the model
             # the draft model loads while the workers load their shards, before the process groups form
             # (their collectives time out: distributed.py)
+            #: --speculative-config (None without it); the server exports the spec_decode metrics for it
+            self.spec_config = (SpeculativeConfig.from_dict(config.speculative_config)
+                                if config.speculative_config else None)
             #: speculative decoding (None without it, or when no acceptance rate pays for it here)
             self.spec: SpecDecoder | None = None
             spec_kw = {}
-            if config.speculative_config:
-                self.spec, spec_kw = SpecDecoder.create(SpeculativeConfig.from_dict(config.speculative_config),
-                                                        self.model, self.model_config, self.dtype, self.device,
-                                                        max_len)
+            if self.spec_config is not None:
+                self.spec, spec_kw = SpecDecoder.create(self.spec_config, self.model, self.model_config, self.dtype,
+                                                        self.device, max_len)
                 lap("draft model")
             if self.workers is not None:
                 self.workers.wait_loaded()
@@ -180,7 +185,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._rng = torch.Generator().manual_seed(config.seed)
-        self._stop_ids_cache: dict[int, list[int]] = {}
         self.last_iteration = IterationStats()
         self._grammar_compiler: GrammarCompiler | None = None
         self._grammar_lock = threading.Lock()
