@@ -41,7 +41,7 @@ def main() -> None:
         ap.error("--drafts: give one or more draft counts >= 1 (0, the plain pass, is always timed)")
     torch.set_num_threads(args.threads)
     from kvfleet_server import EngineConfig, LLMEngine
-    from kvfleet_server.executor.model_runner import TokenSpan
+    from kvfleet_server.sequence import TokenSpan
     from kvfleet_server.spec_decode.proposer import VERIFY_COST
 
     max_len = args.context + max(args.drafts) + 1
@@ -57,15 +57,15 @@ def main() -> None:
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(max(args.batch))]
     prompts = [torch.randint(0, vocab, (max_len,), generator=gen).tolist() for _ in tables]
     for ids, table in zip(prompts, tables):  # the cached context every pass attends over
-        runner.run_spans([TokenSpan(ids[: args.context], 0, table)])
+        runner.execute([TokenSpan(ids[: args.context], 0, table)])
 
     def verify(batch: int, gamma: int):
         spans = [TokenSpan(prompts[b][args.context : args.context + 1 + gamma], args.context, tables[b])
                  for b in range(batch)]
 
         def run():
-            out = runner.run_spans(spans)
-            runner.compute_logits(out.hidden)
+            out = runner.execute(spans)
+            runner.compute_logits(out)
         return run
 
     rows = []

@@ -90,6 +90,13 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_tokens_left(self) -> int:
+        """Output tokens the sequence may still produce: the one room rule (length finish, jump-forward's
+        budget, draft slots). ``LLMEngine.add_request`` caps max_tokens at max_model_len − prompt, so it also
+        keeps prompt + output ≤ max_model_len."""
+        return self.request.max_tokens - self.num_output_tokens
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
@@ -143,6 +150,21 @@ class Request:
 
 
 @dataclass
+class TokenSpan:
+    """Tokens of one sequence to compute in a step: ``token_ids`` at positions [start, start + len),
+    their KV slots addressed through ``block_table`` (a span longer than one token attends causally to
+    its cached prefix: a prefill chunk, or a decode followed by its draft tokens).
+
+    ``logits``: which rows' logits to compute with the step: "last" (the span samples its next token),
+    "all" (every row verifies a draft) or None (none; ``compute_logits`` can still ask for any row)."""
+
+    token_ids: list[int]
+    start: int
+    block_table: list[int]
+    logits: str | None = None
+
+
+@dataclass
 class ScheduledSeq:
     """One sequence's share of a step.
 
@@ -170,6 +192,12 @@ class ScheduledSeq:
     def input_ids(self) -> list[int]:
         p = self.seq.num_computed_tokens
         return self.seq.token_ids[p : p + self.num_known] + self.draft_ids
+
+    def span(self, block_table: list[int]) -> TokenSpan:
+        """This step's tokens as the runner computes them: logits with the step for every row of a
+        drafted span (verification) or the last row of one that samples."""
+        logits = "all" if self.draft_ids else "last" if self.samples else None
+        return TokenSpan(self.input_ids(), self.seq.num_computed_tokens, block_table, logits)
 
 
 @dataclass

@@ -30,8 +30,8 @@ def kvfleet_logits(model_dir: str, ids: list[int], chunks: list[int]) -> torch.T
     out = []
     for n in chunks:
         kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
-        batch = runner.execute([ScheduledSeq(seq, n)], {seq.seq_id: kv.block_ids(seq.seq_id)})
-        out.append(runner.compute_logits(batch.hidden))
+        batch = runner.execute([ScheduledSeq(seq, n).span(kv.block_ids(seq.seq_id))])
+        out.append(runner.compute_logits(batch))
         seq.num_computed_tokens += n
     return torch.cat(out)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvfleet_server import SamplingParams
+from kvfleet_server.sequence import Request, Sequence
 from kvfleet_server.spec_decode.gate import DraftGate
 from kvfleet_server.model.loader import load_model, load_model_config
 from kvfleet_server.spec_decode import draft_cost
@@ -71,7 +72,7 @@ def test_engine_drafts_grow_to_k_while_every_draft_is_accepted(tiny_engine_facto
     step than its first verification did, up to k, with the plain engine's output."""
     eng = tiny_engine_factory(speculative_config={"method": "draft_model", "model": tiny_llama_dir,
                                                   "num_speculative_tokens": 8, **FLOOR})
-    assert eng.scheduler.spec_token_cost == pytest.approx(0.3)
+    assert eng.spec.token_cost == pytest.approx(0.3)
     plain = tiny_engine_factory()
     out_plain, _ = greedy_with_step_counts(plain, [9, 10, 11, 12], 60)
     out, drafted = greedy_with_step_counts(eng, [9, 10, 11, 12], 60)
@@ -91,7 +92,7 @@ def test_draft_costs_follow_the_weights_read(tiny_engine_factory):
         decode_read_bytes(m, 1) / decode_read_bytes(m))
     ngram = tiny_engine_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert draft_cost(ngram.spec_config, m, cfg, torch.float32, 64) == 0.0
-    assert ngram.scheduler.spec_min_acceptance == DraftGate.MIN_ACCEPTANCE  # the floor over a 0.1 break-even
+    assert ngram.spec.min_acceptance == DraftGate.MIN_ACCEPTANCE  # the floor over a 0.1 break-even
     assert VERIFY_COST["cpu"] < DraftGate.MIN_ACCEPTANCE
 
 
@@ -168,9 +169,9 @@ def test_a_new_sequence_starts_with_a_probe_and_the_learned_back_off_after_low_a
                                                   "num_speculative_tokens": 3, **FLOOR})
     eng.add_request("first", [5, 6, 7] * 6, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     run_to_completion(eng)
-    assert eng.scheduler.spec_acceptance_ema < eng.scheduler.spec_min_acceptance
+    assert eng.spec.acceptance_ema < eng.spec.min_acceptance
     # 40 tokens: k drafts at the first decode, failed probes 8 and 24 steps later: the back-off reached 64
-    assert eng.scheduler.spec_backoff == 8 * DraftGate.FIRST_BACKOFF
+    assert eng.spec.backoff == 8 * DraftGate.FIRST_BACKOFF
     eng.add_request("next", [5, 6, 7] * 6, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     counts = []
     run_to_completion(eng, on_step=lambda e: counts.append(e.last_iteration.num_draft_tokens))
@@ -180,30 +181,34 @@ def test_a_new_sequence_starts_with_a_probe_and_the_learned_back_off_after_low_a
 
 
 def test_acceptance_that_recovers_is_picked_up_after_a_draft_that_never_agreed():
-    """The scheduler's gate bookkeeping (``Scheduler._gate`` / ``Scheduler.rollback`` on a stub with no
-    model): 600 steps of a draft that never agrees drive the inherited back-off to its cap, then each
-    200-token request whose drafts are rejected for its first 2 tokens and accepted afterwards speculates
-    again within the inherited back-off — the first one included — and what new sequences inherit goes
-    back to the first back-off once a verification pays."""
+    """The decoder's gate bookkeeping (``SpecDecoder.num_drafts`` / ``SpecDecoder.rollback`` with no model):
+    600 steps of a draft that never agrees drive the inherited back-off to its cap, then each 200-token
+    request whose drafts are rejected for its first 2 tokens and accepted afterwards speculates again within
+    the inherited back-off — the first one included — and what new sequences inherit goes back to the first
+    back-off once a verification pays."""
     import types
 
-    from kvfleet_server.engine.scheduler import Scheduler
+    from kvfleet_server.spec_decode.decoder import SpecDecoder
 
     k = 3
-    sched = types.SimpleNamespace(num_speculative_tokens=k, spec_acceptance_ema=None, spec_min_acceptance=0.3,
-                                  spec_backoff=DraftGate.FIRST_BACKOFF, num_steps=0, spec_token_cost=0.0,
-                                  kv=types.SimpleNamespace(truncate=lambda *a: None, blocks_for=lambda n: 0))
+    spec = SpecDecoder(SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": k}),
+                       types.SimpleNamespace(extra_kv_bytes_per_token=0), k, min_acceptance=0.3)
+    kv = types.SimpleNamespace(truncate=lambda *a: None, blocks_for=lambda n: 0)
+    step = 0
 
     def request(tokens, accept) -> int:
-        seq = types.SimpleNamespace(draft_gate=None, num_computed_tokens=0, num_draft_computed=0, seq_id=0)
-        Scheduler._gate(sched, seq)
+        nonlocal step
+        req = Request("r", None, [1, 2], SamplingParams(temperature=0), 0.0, tokens + 8)
+        seq = Sequence(req, 0, [1, 2, 3], None)  # a decoding sequence: one output token, one uncomputed
+        seq.num_computed_tokens = 2
         verifications, out = 0, 1
         while out < tokens:
-            sched.num_steps += 1
-            if seq.draft_gate.open(sched.num_steps):
-                d = seq.draft_gate.num_drafts(k)
+            step += 1
+            d = spec.num_drafts(seq, budget=k, step=step)
+            if d:
                 a = accept(out, d)
-                Scheduler.rollback(sched, seq, d, a)
+                spec.rollback(seq, d, a, step, kv)
+                seq.num_computed_tokens -= a  # the stub keeps the sequence at one uncomputed token
                 verifications += 1
                 out += 1 + a
             else:
@@ -211,10 +216,10 @@ def test_acceptance_that_recovers_is_picked_up_after_a_draft_that_never_agreed()
         return verifications
 
     request(600, lambda out, d: 0)
-    assert sched.spec_backoff == DraftGate.MAX_INHERITED_BACKOFF and sched.spec_acceptance_ema < 0.3
+    assert spec.backoff == DraftGate.MAX_INHERITED_BACKOFF and spec.acceptance_ema < 0.3
     counts = [request(200, lambda out, d: 0 if out < 2 else d) for _ in range(5)]
     assert all(c >= 30 for c in counts), counts  # ~50 verifications of 1 + 3 tokens each once drafts pay
-    assert sched.spec_backoff == DraftGate.FIRST_BACKOFF and sched.spec_acceptance_ema > 0.9
+    assert spec.backoff == DraftGate.FIRST_BACKOFF and spec.acceptance_ema > 0.9
 
 
 def test_min_acceptance_overrides_the_cost_model(tiny_engine_factory, tiny_llama_dir):
@@ -246,22 +251,26 @@ def test_drafts_never_preempt_or_crowd_out_another_sequence(tiny_engine_factory)
         "method": "layer_skip", "num_speculative_tokens": 3, "num_draft_layers": 1, "min_acceptance": 0})
     for r in "abc":
         eng.add_request(r, [7, 8, 9], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    schedule = eng.scheduler.schedule
-    steps = []
+    schedule, reserve = eng.scheduler.schedule, eng.spec.reserve
+    steps, state = [], {}
 
     def checked():
-        before = [s for s in eng.scheduler.running if s.num_uncomputed == 1 and s.num_output_tokens]
-        waiting = len(eng.scheduler.waiting)
+        state["before"] = [s for s in eng.scheduler.running if s.num_uncomputed == 1 and s.num_output_tokens]
+        state["waiting"] = len(eng.scheduler.waiting)
         out = schedule()
         assert not out.preempted
-        got = {s.seq.seq_id: s for s in out.scheduled}
-        assert all(s.seq_id in got for s in before[:4])  # no decoding sequence skipped for another's drafts
-        drafts = sum(s.max_drafts for s in out.scheduled)
-        assert not (drafts and waiting and len(eng.scheduler.waiting) == waiting)  # no draft before admission
-        steps.append(drafts)
         return out
 
-    eng.scheduler.schedule = checked
+    def checked_reserve(sched, *args):  # draft slots are reserved after the scheduler placed everyone
+        reserve(sched, *args)
+        got = {s.seq.seq_id: s for s in sched.scheduled}
+        assert all(s.seq_id in got for s in state["before"][:4])  # no decoding sequence skipped for drafts
+        drafts = sum(s.max_drafts for s in sched.scheduled)
+        waiting = state["waiting"]
+        assert not (drafts and waiting and len(eng.scheduler.waiting) == waiting)  # no draft before admission
+        steps.append(drafts)
+
+    eng.scheduler.schedule, eng.spec.reserve = checked, checked_reserve
     finals = run_to_completion(eng)
     assert all(len(finals[r].outputs[0].token_ids) == 12 for r in "abc")
     assert sum(steps) > 0

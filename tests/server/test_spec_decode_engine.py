@@ -166,19 +166,18 @@ def test_drafts_fit_budget_max_tokens_and_max_model_len(tiny_engine_factory):
     eng.add_request("a", [5, 6] * 6, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))
     eng.add_request("b", [5, 6] * 10, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
     per_step = []
-    schedule = eng.scheduler.schedule
+    reserve = eng.spec.reserve
 
-    def checked_schedule():
-        out = schedule()
+    def checked_reserve(out, *args):  # the step's draft slots, reserved after the scheduler's pass
+        reserve(out, *args)
         assert out.num_tokens <= 3  # drafts count in the token budget
         assert all(s.num_new >= 1 for s in out.scheduled)
         for s in out.scheduled:  # every accepted draft + the bonus token fits max_tokens and max_model_len
             seq = s.seq
             assert seq.num_output_tokens + s.max_drafts + 1 <= seq.request.max_tokens or not s.max_drafts
             assert len(seq.token_ids) + s.max_drafts + 1 <= 40 or not s.max_drafts
-        return out
 
-    eng.scheduler.schedule = checked_schedule
+    eng.spec.reserve = checked_reserve
     finals = run_to_completion(eng, on_step=lambda e: per_step.append(e.last_iteration.num_draft_tokens))
     assert max(per_step) == 2  # budget 3 = 1 token + 2 drafts: fewer drafts, the sequence is not skipped
     assert len(finals["a"].outputs[0].token_ids) == 9

@@ -176,15 +176,14 @@ def test_speculative_engine_decodes_grammar_rows_without_drafts():
     eng.add_request("plain", _prompt(eng, text), SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
                     add_special_tokens=False)
     drafted: dict[str, int] = {"json": 0, "plain": 0}
-    schedule = eng.scheduler.schedule
+    reserve = eng.spec.reserve
 
-    def spy():
-        out = schedule()
+    def spy(out, *args):  # the step's draft slots
+        reserve(out, *args)
         for s in out.scheduled:
             drafted[s.seq.request.request_id] += s.max_drafts
-        return out
 
-    eng.scheduler.schedule = spy
+    eng.spec.reserve = spy
     accepted = []
     finals = run_to_completion(eng, on_step=lambda e: accepted.append(e.last_iteration.num_accepted_tokens))
     accepted = sum(accepted)

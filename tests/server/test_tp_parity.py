@@ -49,7 +49,7 @@ def logits_and_tokens(model_dir: str, tp: int, **kw):
         rows = []
         for n in (12, 9, 1, 1, 8):
             eng.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n)
-            batch = eng.runner.execute([ScheduledSeq(seq, n)], {seq.seq_id: eng.kv.block_ids(seq.seq_id)})
+            batch = eng.runner.execute([ScheduledSeq(seq, n).span(eng.kv.block_ids(seq.seq_id))])
             rows.append(eng.runner.compute_logits(batch, list(range(n))))
             seq.num_computed_tokens += n
         eng.kv.free(seq.seq_id)

@@ -91,8 +91,9 @@ def test_speculation_at_tp2_gives_the_tokens_of_tp1(heads_8_2, plain_tp1, method
     assert copies, "n = 2 forks share a partial block: its copy-on-write copy is applied on every rank"
     if method == "draft_model":
         assert check.accepted == check.draft_tokens  # the draft is the target: nothing rejected
-        # its passes run on rank 0 alone, and every verification row's logits come with the step
-        assert "logits" not in messages and "step" in messages, set(messages)
+    # a draft model's passes run on rank 0 alone; every draft pass's, sampling row's and verification row's
+    # logits come with its pass: no step needs a second broadcast (ModelRunner.call, TokenSpan.logits)
+    assert "row_logits" not in messages and "run" in messages, set(messages)
     assert got.keys() == ref.keys()
     for key, (toks, lps) in ref.items():
         assert got[key][0] == toks, key

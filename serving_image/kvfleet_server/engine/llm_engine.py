@@ -133,10 +133,9 @@ class LLMEngine:
                                 if config.speculative_config else None)
             #: speculative decoding (None without it, or when no acceptance rate pays for it here)
             self.spec: SpecDecoder | None = None
-            spec_kw = {}
             if self.spec_config is not None:
-                self.spec, spec_kw = SpecDecoder.create(self.spec_config, self.model, self.model_config, self.dtype,
-                                                        self.device, max_len)
+                self.spec = SpecDecoder.create(self.spec_config, self.model, self.model_config, self.dtype,
+                                               self.device, max_len)
                 lap("draft model")
             if self.workers is not None:
                 self.workers.wait_loaded()
@@ -180,8 +179,8 @@ class LLMEngine:
         )
         self.kv = KVCacheManager(self.num_blocks, bs)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_prefix_caching, max_model_len=max_len, **spec_kw)
-        self.output = OutputProcessor(self.tokenizer, self.scheduler, max_len, config)
+                                   config.enable_prefix_caching)
+        self.output = OutputProcessor(self.tokenizer, self.scheduler, config)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -383,15 +382,13 @@ class LLMEngine:
         if not sched.scheduled:
             self.last_iteration = it
             return outputs
-        scheduled, copies = sched.scheduled, sched.copies
+        scheduled, copies, drafts = sched.scheduled, sched.copies, {}
         self._count_scheduled(scheduled, it)
-        for block in sched.pinned:
+        if self.spec is not None:  # hook: reserve draft slots, fill them with drafts
+            drafts, copies = self.spec.before_forward(sched, self.scheduler, self.kv, self.runner)
+        batch = self.runner.execute([s.span(self.kv.block_ids(s.seq.seq_id)) for s in scheduled], copies)
+        for block in sched.pinned:  # partial prefix hits' sources, pinned until their copies ran
             self.kv.pool.decref(block)
-        drafts = {}
-        if self.spec is not None:  # hook: drafts fill the KV slots the scheduler reserved
-            drafts, copies = self.spec.before_forward(scheduled, copies, self.kv, self.runner)
-        batch = self.runner.execute(scheduled, {s.seq.seq_id: self.kv.block_ids(s.seq.seq_id) for s in scheduled},
-                                    copies)
         samplers = [i for i, s in enumerate(scheduled) if s.samples and not s.draft_ids]  # drafted rows: verify
         self._prompt_logprobs(scheduled, batch)
         for s in scheduled:

@@ -25,15 +25,13 @@ class OutputProcessor:
     Args:
         tokenizer: kvfleet ``Tokenizer`` (pieces for logprobs, EOS ids, detokenization, jump-forward).
         scheduler: the ``Scheduler`` a finished sequence is removed from (its blocks freed at once).
-        max_model_len: longest prompt + output (tokens).
         config: the EngineConfig (``enable_jump_forward``: append the tokens a grammar forces after a sampled
             one, SGLang's jump-forward).
     """
 
-    def __init__(self, tokenizer, scheduler, max_model_len: int, config):
+    def __init__(self, tokenizer, scheduler, config):
         self.tokenizer = tokenizer
         self.scheduler = scheduler
-        self.max_model_len = max_model_len
         self.config = config
 
     def logprob_entry(self, tok: int, lp: TokenLogprobs) -> dict[int, Logprob]:
@@ -59,7 +57,7 @@ class OutputProcessor:
         toks = [tok]
         if (g is not None and self.config.enable_jump_forward and seq.logprobs is None
                 and not g.is_terminated and tok not in p.stop_token_ids):
-            budget = min(req.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) + 1
+            budget = seq.num_tokens_left + 1  # the sampled token's place is in the plan
             plan = plan_jump_forward(g, self.tokenizer, seq.output_token_ids, budget)
             if plan is not None:
                 seq.token_ids[-1:] = plan
@@ -85,7 +83,7 @@ class OutputProcessor:
                 break
         if reason is None and g is not None and g.is_terminated:
             reason = "stop"  # ignore_eos: the grammar ended, nothing may follow
-        if reason is None and (seq.num_output_tokens >= req.max_tokens or len(seq.token_ids) >= self.max_model_len):
+        if reason is None and seq.num_tokens_left <= 0:
             reason = "length"
         if reason is not None:
             self.finish(seq, reason)

@@ -11,7 +11,8 @@ budget (``max_num_batched_tokens``) per step:
 2. then waiting sequences in order, as long as budget, ``max_num_seqs`` and free blocks allow
    (a waiting sequence never preempts a running one).
 
-A sequence samples a token in a step when that step computes its last known token.
+A sequence samples a token in a step when that step computes its last known token. Speculative decoding
+reserves draft slots afterwards from what is left of the budget (``SpecDecoder.reserve``).
 """
 
 from __future__ import annotations
@@ -21,17 +22,13 @@ from collections import deque
 
 from .kv_cache import KVCacheManager
 from ..sequence import ScheduledSeq, SchedulerOutput, Sequence, SeqStatus
-from ..spec_decode.gate import DraftGate
 
 
 class Scheduler:
     """Decides, each step, which sequences compute how many tokens (see module docstring)."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool, partial_block_matching: bool = True,
-                 num_speculative_tokens: int = 0, disable_by_batch_size: int | None = None,
-                 max_model_len: int = 1 << 62, spec_min_acceptance: float = DraftGate.MIN_ACCEPTANCE,
-                 spec_token_cost: float = 0.0):
+                 enable_prefix_caching: bool, partial_block_matching: bool = True):
         self.kv = kv
         self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
@@ -41,30 +38,16 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
-        # speculative decoding: each decoding sequence reserves slots for up to k draft tokens
-        self.num_speculative_tokens = num_speculative_tokens
-        self.disable_by_batch_size = disable_by_batch_size
-        self.spec_min_acceptance = spec_min_acceptance  # the cut-off (DraftGate)
-        self.spec_token_cost = spec_token_cost  # a draft token's cost: the draft length (DraftGate)
-        # acceptance rate over every sequence's verifications: a new sequence starts with a one-draft
-        # probe while it is below the break-even
-        self.spec_acceptance_ema: float | None = None
-        #: the back-off a new sequence starts from while acceptance is low: the last failed verification's
-        #: (capped at DraftGate.max_inherited_backoff), back to the first once any verification pays
-        self.spec_backoff = DraftGate.initial_backoff(spec_token_cost)
-        self.max_model_len = max_model_len
         self.num_steps = 0
 
     # --- queue management ----------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self._gate(seq)
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A forked child joins the running set directly (its blocks are shared with its parent)."""
         seq.status = SeqStatus.RUNNING
-        self._gate(seq)
         bisect.insort(self.running, seq, key=Sequence.arrival_key)
 
     def remove(self, seq: Sequence) -> None:
@@ -77,65 +60,6 @@ class Scheduler:
             except ValueError:
                 pass
         self.kv.free(seq.seq_id)
-
-    def _gate(self, seq: Sequence) -> None:
-        if self.num_speculative_tokens and seq.draft_gate is None:
-            ema = 1.0 if self.spec_acceptance_ema is None else self.spec_acceptance_ema
-            low = ema < self.spec_min_acceptance
-            seq.draft_gate = DraftGate(self.spec_min_acceptance, probing=low,
-                                       backoff=self.spec_backoff if low else None,
-                                       token_cost=self.spec_token_cost)
-
-    def _num_drafts(self, seq: Sequence, budget: int) -> int:
-        """Draft tokens a decoding sequence may verify this step: its gate's draft length (at most k; 1 for
-        a probe), fewer when the ``budget`` left for drafts, its max_tokens or max_model_len leave less room
-        (every accepted draft plus the bonus token must fit). None for prefills — chunked, or a recompute after preemption, even
-        a last chunk of one token before the first sample — for structured output (a grammar row decodes
-        without drafts: its mask is defined for one position at a time) and for seeded random sampling
-        (whether a step drafts depends on the rest of the batch, and verification draws from the seeded
-        generator differently than plain sampling: a seed must give the same tokens whatever is batched)."""
-        p = seq.request.params
-        if (seq.num_uncomputed != 1 or not seq.num_output_tokens or not seq.request.forked
-                or seq.grammar is not None or (p.seed is not None and not p.greedy)
-                or not seq.draft_gate.open(self.num_steps)):
-            return 0
-        room = min(seq.request.max_tokens - seq.num_output_tokens, self.max_model_len - len(seq.token_ids)) - 1
-        return max(0, min(seq.draft_gate.num_drafts(self.num_speculative_tokens), budget, room))
-
-    def _schedule_drafts(self, out: SchedulerOutput, budget: int) -> int:
-        """Last pass over the sequences scheduled this step: draft slots from the token budget and free
-        blocks left after every running sequence got its own tokens and waiting ones were admitted (drafts
-        never push another sequence out of the step or the pool, nor delay a prefill). Returns the budget
-        left."""
-        for s in out.scheduled:
-            if budget <= 0:
-                break
-            seq = s.seq
-            drafts = self._num_drafts(seq, budget)
-            if not drafts:
-                continue
-            copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, s.num_new + drafts)
-            if copies is None:  # no free blocks left for them: decode plainly
-                continue
-            s.num_new += drafts
-            s.max_drafts = drafts
-            out.copies.extend(copies)
-            budget -= drafts
-        return budget
-
-    def rollback(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        """After verification: the accepted drafts' KV counts as computed; blocks holding only rejected
-        draft slots go back to the pool at once (the partly rejected last block is overwritten later)."""
-        gate = seq.draft_gate
-        gate.update(self.num_steps, num_drafts, num_accepted)
-        # a closed gate (probing next) failed; an open one paid
-        self.spec_backoff = (min(gate.backoff, DraftGate.max_inherited_backoff(gate.token_cost)) if gate.probing
-                             else gate.first_backoff)
-        rate, ema = num_accepted / num_drafts, self.spec_acceptance_ema
-        self.spec_acceptance_ema = rate if ema is None else 0.7 * ema + 0.3 * rate
-        seq.num_computed_tokens += num_accepted
-        seq.num_draft_computed = min(seq.num_draft_computed, seq.num_computed_tokens)
-        self.kv.truncate(seq.seq_id, self.kv.blocks_for(seq.num_computed_tokens))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -257,7 +181,4 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             out.copies.extend(copies)
             budget -= num_new
-        if self.num_speculative_tokens and (self.disable_by_batch_size is None
-                                            or len(self.running) <= self.disable_by_batch_size):
-            self._schedule_drafts(out, budget)
         return out

@@ -88,11 +88,11 @@ class DecodeGraphs:
 
     def can_run(self, inputs) -> bool:
         """A decode-only step over all layers (not a layer_skip drafter's pass) of at most the largest
-        size, after FP8 KV calibration, and not a tensor-parallel step that needs logits with it."""
+        size, after FP8 KV calibration (the step's logits are computed after the replay, outside the graph)."""
         n = len(inputs.dec_positions)
         return (0 < n <= self.sizes[-1] and not inputs.prefills and not self.runner._kv_calibration_pending
                 and getattr(inputs, "num_layers", None) is None
-                and not inputs.logit_rows and bool(self.launch)
+                and bool(self.launch)
                 and all(len(g[2][0]) <= self.max_blocks for g in inputs.decode_groups))
 
     def forward(self, B: int) -> None:

@@ -1,4 +1,4 @@
-"""ModelRunner: owns the KV cache tensors, turns a scheduled step into flat batch tensors + attention
+"""ModelRunner: owns the KV cache tensors, turns a step's token spans into flat batch tensors + attention
 metadata, runs the model and returns hidden states / logits.
 
 KV cache tensors: for each layer a triple (K, V, kv_scales): K and V each ``[num_blocks, block_size,
@@ -10,11 +10,13 @@ kv_scales None, or for FP8 the layer's float32 [2] (k_scale, v_scale) (see atten
 With tensor parallelism ``num_kv_heads`` is this rank's: every rank holds its shard of every block,
 under the same block ids, so rank 0's block tables address all of them.
 
-A step is ``prepare`` (rank 0 only: scheduled sequences → ``StepInputs``, plain lists) then ``run``
-(every rank: tensors → model). Rank 0's ``execute`` broadcasts the ``StepInputs`` once per step; the
-other ranks receive it in ``workers.py`` and call ``serve``. Speculative decoding adds messages: a
-layer_skip draft pass is a ``("step", ...)`` of its own and its logits a ``("logits", rows)``, and
-copy-on-write copies the drafters need first are a ``("copy", ...)``.
+A step is ``prepare`` (rank 0 only: ``TokenSpan`` list → ``StepInputs``, plain lists) then ``run`` (every
+rank: tensors → model). Tensor parallelism is hidden behind ``call`` (nano-vllm's ``call``): rank 0
+broadcasts the method's name and arguments to the other ranks (``workers.py`` hands each message to
+``serve``), then runs it itself; without tensor parallelism ``call`` is a plain method call. The methods
+every rank runs are ``COLLECTIVE``: ``run`` (a step, or a layer_skip draft pass), ``copy_blocks``
+(copy-on-write the drafters need before the step), ``row_logits`` (logits of rows that were not computed
+with the step) and ``probe`` (the all-reduce benchmark).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import torch
 
 from ..attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
 from ..attention.kv_quant import HEADROOM, hadamard, is_fp8
-from ..sequence import ScheduledSeq
 from ..distributed import TPGroup
+from ..sequence import TokenSpan
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -39,6 +41,9 @@ logger = logging.getLogger("kvfleet.engine")
 _MAX_PAD_WASTE = 0.2
 _MIN_GROUP = 4
 _MAX_GROUP = 16
+
+#: the runner methods every rank runs when rank 0 ``call``s them (the tensor-parallel message vocabulary)
+COLLECTIVE = frozenset({"run", "copy_blocks", "row_logits", "probe"})
 
 
 def zeroed_cpu_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -93,8 +98,9 @@ class StepInputs:
         decode_groups: (start, count, block tables [count][max_blocks], context lengths [count]).
         prefills: (q_start, q_len, ctx_len, block table [ceil(ctx_len / block_size)]) per chunk.
         copies: copy-on-write block copies (src, dst) to apply before the step.
-        logit_rows: rows whose logits are computed with the step (tensor parallelism: the sampling
-            rows and every verification row, so that a decode step needs no second broadcast).
+        logit_rows: rows whose logits are computed with the step: the last row of each span that samples
+            and every row of a span that verifies drafts (under tensor parallelism a decode step then
+            needs no second broadcast).
         num_layers: run only the first L decoder layers (the layer_skip drafter's pass); None: all.
     """
 
@@ -106,17 +112,6 @@ class StepInputs:
     copies: list[tuple[int, int]] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
     num_layers: int | None = None
-
-
-@dataclass
-class TokenSpan:
-    """Tokens of one sequence to compute in a step: ``token_ids`` at positions [start, start + len),
-    their KV slots addressed through ``block_table`` (a span longer than one token attends causally to
-    its cached prefix: a prefill chunk, or a decode followed by its draft tokens)."""
-
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
 
 
 class ModelRunner:
@@ -190,16 +185,13 @@ class ModelRunner:
             groups.append((start, len(ctx_lens) - start))
         return groups
 
-    def prepare(self, spans: list[TokenSpan], copies: list[tuple[int, int]] = (),
-                sample_spans: list[int] = (), num_layers: int | None = None, verify_spans: list[int] = ()
+    def prepare(self, spans: list[TokenSpan], copies: list[tuple[int, int]] = (), num_layers: int | None = None
                 ) -> tuple[StepInputs, list[int], list[tuple[int, int]]]:
         """Lay out one step's token spans (pure Python: 1-token spans — decodes — first, sorted by
         context length, then the longer spans: prefill chunks and decodes with draft tokens).
 
-        ``sample_spans``: indices of the spans whose last row is sampled; ``verify_spans``: of the spans
-        whose every row is (a decode with drafts: each row verifies one draft). Under tensor parallelism
-        those rows' logits are computed with the step. Returns (inputs, last_row, chunk_rows) indexed like
-        ``spans``.
+        The rows of each span's ``logits`` are computed with the step. Returns (inputs, last_row,
+        chunk_rows) indexed like ``spans``.
         """
         bs = self.block_size
         dec = sorted((i for i, s in enumerate(spans) if len(s.token_ids) == 1), key=lambda i: spans[i].start)
@@ -238,63 +230,72 @@ class ModelRunner:
             chunk_rows[i] = (q_start, n)
             q_start += n
         logit_rows = []
-        if self.tp.is_parallel:
-            verify = set(verify_spans)
-            for i in sorted(set(sample_spans) | verify):
-                first, n = chunk_rows[i] if i in verify else (last_row[i], 1)
+        for i, sp in enumerate(spans):
+            if sp.logits is not None:
+                first, n = chunk_rows[i] if sp.logits == "all" else (last_row[i], 1)
                 logit_rows.extend(range(first, first + n))
         inputs = StepInputs(ids, pos, slots, groups, prefills, list(copies), logit_rows, num_layers)
         return inputs, last_row, chunk_rows
+
+    def call(self, method: str, *args):
+        """Run ``method(*args)`` on every rank (``COLLECTIVE``): rank 0 broadcasts the call to the other
+        ranks, then runs it; returns rank 0's result. Without tensor parallelism: a plain call."""
+        if self.tp.is_parallel:
+            self.tp.broadcast_object((method, args))
+        return getattr(self, method)(*args)
 
     @torch.inference_mode()
     def run(self, inputs: StepInputs) -> torch.Tensor:
         """Apply the step's copy-on-write copies, build the tensors and run the model (every rank).
 
-        Returns hidden states [T, hidden]; also computes the logits of ``inputs.logit_rows`` (kept in
-        ``self.step_logits`` on rank 0) when that list is not empty.
+        Returns hidden states [T, hidden] (kept in ``self.last_hidden``); also computes the logits of
+        ``inputs.logit_rows`` (kept in ``self.step_logits`` on rank 0; None when the list is empty).
         """
-        bs, dev = self.block_size, self.device
         self.copy_blocks(inputs.copies)
         if self.graphs is not None and self.graphs.can_run(inputs):  # decode-only: replay a CUDA graph
-            return self._finish(self.graphs.run(inputs), inputs)
-        n_dec = len(inputs.dec_positions)
+            hidden = self.graphs.run(inputs)
+        else:
+            hidden = self.model(*self._tensors(inputs), self.kv_caches, self._metadata(inputs), self.backend,
+                                num_layers=inputs.num_layers)
+            if self._kv_calibration_pending:
+                self._log_kv_calibration()
+        self.last_hidden = hidden
+        self.step_logits = None
+        if inputs.logit_rows:
+            self.step_logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=self.device)])
+        return hidden
+
+    def _tensors(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, positions): [T] int64 each, decode rows first."""
+        dev = self.device
+        pre_pos = [torch.arange(ctx - n, ctx, device=dev) for _, n, ctx, _ in inputs.prefills]
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
+        positions = torch.cat([torch.tensor(inputs.dec_positions, dtype=torch.long, device=dev)] + pre_pos)
+        return input_ids, positions
+
+    def _metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        """The step's attention metadata: slot mapping [T], decode groups (block tables, masks, context
+        lengths) and prefill spans (block table, causal mask over the cached prefix)."""
+        bs, dev = self.block_size, self.device
         groups = []
         for start, count, tables, ctx_lens in inputs.decode_groups:
             mb = len(tables[0])
             ctx = torch.tensor(ctx_lens, device=dev)
             mask = (torch.arange(mb * bs, device=dev)[None, :] < ctx[:, None])[:, None, None, :]
             groups.append(DecodeGroup(start, count, torch.tensor(tables, device=dev), mask, ctx))
-        prefills, pre_pos, pre_slots = [], [], []
+        prefills, pre_slots = [], []
         for q_start, n, ctx, table in inputs.prefills:
             p0 = ctx - n
             bt = torch.tensor(table, device=dev)
             ppos = torch.arange(p0, ctx, device=dev)
-            pre_pos.append(ppos)
             pre_slots.append(bt[ppos // bs] * bs + ppos % bs)
             mask = None
             if p0 > 0:
                 mask = torch.arange(ctx, device=dev)[None, :] <= ppos[:, None]
             prefills.append(PrefillSpan(q_start, n, ctx, bt, mask))
-        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
-        positions = torch.cat([torch.tensor(inputs.dec_positions, dtype=torch.long, device=dev)] + pre_pos)
         slot_mapping = torch.cat([torch.tensor(inputs.dec_slots, dtype=torch.long, device=dev)] + pre_slots)
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=n_dec, decode_groups=groups,
-                                 prefills=prefills, kv_calibrate=self._kv_calibration_pending)
-        if inputs.num_layers is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
-        else:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend,
-                                num_layers=inputs.num_layers)
-        if self._kv_calibration_pending:
-            self._log_kv_calibration()
-        return self._finish(hidden, inputs)
-
-    def _finish(self, hidden: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
-        self.last_hidden = hidden
-        self.step_logits = None
-        if inputs.logit_rows:
-            self.step_logits = self.model.compute_logits(hidden[torch.tensor(inputs.logit_rows, device=self.device)])
-        return hidden
+        return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(inputs.dec_positions),
+                                 decode_groups=groups, prefills=prefills, kv_calibrate=self._kv_calibration_pending)
 
     def _log_kv_calibration(self) -> None:
         """Once, after the first step: the FP8 KV scales computed from the first prefill."""
@@ -305,67 +306,49 @@ class ModelRunner:
                     s[:, 0].min(), s[:, 0].max(), s[:, 1].min(), s[:, 1].max(), len(self.kv_caches))
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], block_tables: dict[str, list[int]],
-                copies: list[tuple[int, int]] = ()) -> StepBatch:
-        """Run the model on one step's tokens (K/V written to the cache as a side effect), after the
-        copy-on-write ``copies`` (src, dst). A sequence's tokens are its uncomputed ones followed by its
-        draft tokens (speculative decoding). With tensor parallelism rank 0 broadcasts the step's
-        inputs once (``self.tp.broadcast_object``) and every rank runs it."""
-        spans = [TokenSpan(s.input_ids(), s.seq.num_computed_tokens, block_tables[s.seq.seq_id]) for s in scheduled]
-        inputs, last_row, chunk_rows = self.prepare(spans, copies, [i for i, s in enumerate(scheduled) if s.samples],
-                                                    verify_spans=[i for i, s in enumerate(scheduled) if s.draft_ids])
-        if self.tp.is_parallel:
-            self.tp.broadcast_object(("step", inputs))
-        hidden = self.run(inputs)
+    def execute(self, spans: list[TokenSpan], copies: list[tuple[int, int]] = (),
+                num_layers: int | None = None) -> StepBatch:
+        """Run the model on one step's ``spans`` on every rank (K/V written to the cache as a side effect),
+        after the copy-on-write ``copies`` (src, dst). ``num_layers`` runs only the first L layers (+ final
+        norm), reading and writing only those layers' KV: the layer_skip drafter's pass. A draft model's
+        runner has no tensor-parallel group: its passes run on rank 0 alone."""
+        inputs, last_row, chunk_rows = self.prepare(spans, copies, num_layers)
+        hidden = self.call("run", inputs)
         logits_at = {r: k for k, r in enumerate(inputs.logit_rows)}
         return StepBatch(hidden, last_row, chunk_rows, self.step_logits, logits_at)
-
-    @torch.inference_mode()
-    def run_spans(self, spans: list[TokenSpan], num_layers: int | None = None) -> StepBatch:
-        """A drafter's pass over token spans. ``num_layers`` runs only the first L layers (+ final norm),
-        reading and writing only those layers' KV — the layer_skip drafter's pass, which under tensor
-        parallelism runs on every rank like a step (rank 0 broadcasts its inputs; the logits then come
-        from ``compute_logits(batch, rows)``). A draft model's runner has no tensor-parallel group: its
-        passes run on rank 0 alone."""
-        inputs, last_row, chunk_rows = self.prepare(spans, num_layers=num_layers)
-        if self.tp.is_parallel:
-            self.tp.broadcast_object(("step", inputs))
-        return StepBatch(self.run(inputs), last_row, chunk_rows)
 
     def copy_blocks_on_every_rank(self, copies: list[tuple[int, int]]) -> None:
         """Rank 0: apply copy-on-write ``copies`` now on every rank (before a drafter reads the KV; a step
         carries its own copies otherwise)."""
-        if copies and self.tp.is_parallel:
-            self.tp.broadcast_object(("copy", list(copies)))
-        self.copy_blocks(copies)
+        if copies:
+            self.call("copy_blocks", list(copies))
 
     @torch.inference_mode()
-    def compute_logits(self, batch: StepBatch | torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
-        """Logits of rows ``rows`` of ``batch.hidden``: [len(rows), vocab] float32.
+    def compute_logits(self, batch: StepBatch, rows: list[int] | None = None) -> torch.Tensor:
+        """Logits of rows ``rows`` (default: all) of ``batch.hidden``: [len(rows), vocab] float32.
 
-        With tensor parallelism, rows computed with the step (the sampling and verification rows) are
-        looked up; others (prompt logprobs, a layer_skip draft pass's rows) cost one more broadcast and a
-        gather. Without it, ``batch`` may also be a
-        hidden-state tensor [N, hidden] (all its rows).
-        """
-        if isinstance(batch, torch.Tensor):
-            if self.tp.is_parallel:
-                raise RuntimeError("with tensor parallelism compute_logits needs (StepBatch, rows): "
-                                   "the other ranks select the same rows of their own hidden states")
-            return self.model.compute_logits(batch if rows is None else batch[rows])
+        Rows computed with the step (``TokenSpan.logits``) are looked up; others (prompt logprobs, a draft
+        pass's rows) are computed now, on every rank under tensor parallelism (``row_logits``)."""
+        rows = list(range(batch.hidden.shape[0])) if rows is None else rows
         if batch.logits is not None and all(r in batch.logits_at for r in rows):
-            return batch.logits[torch.tensor([batch.logits_at[r] for r in rows], device=batch.logits.device)]
-        if self.tp.is_parallel:
-            self.tp.broadcast_object(("logits", list(rows)))
-        return self.model.compute_logits(batch.hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+            idx = [batch.logits_at[r] for r in rows]
+            if idx == list(range(batch.logits.shape[0])):
+                return batch.logits
+            return batch.logits[torch.tensor(idx, device=batch.logits.device)]
+        if batch.hidden is not self.last_hidden:  # the other ranks only keep the last pass's hidden states
+            raise RuntimeError("compute_logits: rows of an earlier pass than the runner's last one")
+        return self.call("row_logits", list(rows))
+
+    def row_logits(self, rows: list[int]) -> torch.Tensor | None:
+        """Logits of rows ``rows`` of the last pass's hidden states (every rank; None off rank 0)."""
+        return self.model.compute_logits(self.last_hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
 
     def probe_all_reduce(self, rows: int, iters: int = 20) -> float:
         """Seconds per all-reduce of a [rows, hidden] activation when every rank is idle (no waiting on a
         slower rank's compute): the transfer cost alone, for the benchmark. Collective."""
-        self.tp.broadcast_object(("probe", (rows, iters)))
-        return self._probe(rows, iters)
+        return self.call("probe", rows, iters)
 
-    def _probe(self, rows: int, iters: int) -> float:
+    def probe(self, rows: int, iters: int) -> float:
         x = torch.zeros(rows, self.model.config.hidden_size, dtype=self.dtype, device=self.device)
         self.tp.all_reduce(x)  # warm-up, and every rank arrives before the clock starts
         t = time.perf_counter()
@@ -376,20 +359,13 @@ class ModelRunner:
         return (time.perf_counter() - t) / iters
 
     @torch.inference_mode()
-    def serve(self, msg) -> bool:
-        """Worker ranks: carry out one message of rank 0 (``("step", StepInputs)``, ``("copy", copies)``,
-        ``("logits", rows)``, ``("probe", (rows, iters))``); returns False for ``("stop",)``."""
-        kind = msg[0]
-        if kind == "step":
-            self.run(msg[1])
-        elif kind == "copy":
-            self.copy_blocks(msg[1])
-        elif kind == "logits":
-            self.model.compute_logits(self.last_hidden[torch.tensor(msg[1], dtype=torch.long, device=self.device)])
-        elif kind == "probe":
-            self._probe(*msg[1])
-        elif kind == "stop":
+    def serve(self, msg: tuple) -> bool:
+        """Worker ranks: carry out one ``call`` of rank 0, ``(method, args)`` with method in ``COLLECTIVE``;
+        returns False for ``("stop", ...)``. Raises ValueError for any other method."""
+        method, args = msg[0], msg[1] if len(msg) > 1 else ()
+        if method == "stop":
             return False
-        else:
-            raise ValueError(f"unknown tensor-parallel message {kind!r}")
+        if method not in COLLECTIVE:
+            raise ValueError(f"unknown tensor-parallel message {method!r}")
+        getattr(self, method)(*args)
         return True

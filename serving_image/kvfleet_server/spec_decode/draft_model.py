@@ -10,7 +10,8 @@ draft's KV of the whole prefix; rollback of rejected drafts clamps it to the ver
 
 from __future__ import annotations
 
-from ..executor.model_runner import ModelRunner, TokenSpan, kv_bytes_per_token
+from ..executor.model_runner import ModelRunner, kv_bytes_per_token
+from ..sequence import TokenSpan
 from .drafting import draft_autoregressive
 from .proposer import DraftRequest, Drafts, Proposer
 
@@ -39,9 +40,9 @@ class DraftModelProposer(Proposer):
             seq = r.seq
             p = seq.num_computed_tokens
             start = min(seq.num_draft_computed, p)
-            return TokenSpan(seq.token_ids[start:p + 1], start, r.block_table)
+            return TokenSpan(seq.token_ids[start:p + 1], start, r.block_table, "last")
 
-        out = draft_autoregressive(reqs, first, self.runner.run_spans, self.runner.compute_logits)
+        out = draft_autoregressive(reqs, first, self.runner.execute, self.runner.compute_logits)
         for r, d in zip(reqs, out):
             # draft KV now covers the last token and every draft but the final one
             r.seq.num_draft_computed = r.seq.num_computed_tokens + max(len(d.token_ids), 1)

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from ..executor.model_runner import StepBatch, TokenSpan
+from ..executor.model_runner import StepBatch
+from ..sequence import TokenSpan
 from ..sample.sampler import filter_probs, sample_from
 from .proposer import DraftRequest, Drafts
 
@@ -24,7 +25,8 @@ def draft_autoregressive(reqs: list[DraftRequest], first_span: Callable[[DraftRe
     """Draft up to ``r.num_drafts`` tokens per request.
 
     Args:
-        first_span: the tokens round 0 computes for a request (must end with its last token).
+        first_span: the tokens round 0 computes for a request (must end with its last token, with
+            ``logits="last"``: its logits come with the pass).
         run: the drafter's forward pass over spans (writes its KV), returning hidden states.
         compute_logits: (batch, rows) → [len(rows), vocab] float32 (``ModelRunner.compute_logits``: under
             tensor parallelism every rank computes its vocabulary shard of the same rows).
@@ -41,7 +43,7 @@ def draft_autoregressive(reqs: list[DraftRequest], first_span: Callable[[DraftRe
             if rnd == 0:
                 spans.append(first_span(r))
             else:
-                spans.append(TokenSpan([toks[i][-1]], r.seq.num_computed_tokens + rnd, r.block_table))
+                spans.append(TokenSpan([toks[i][-1]], r.seq.num_computed_tokens + rnd, r.block_table, "last"))
         batch = run(spans)
         logits = compute_logits(batch, batch.last_row)
         rand = [j for j, i in enumerate(live) if not reqs[i].seq.request.params.greedy]

@@ -10,7 +10,7 @@ by the drafter and overwritten (all layers) by the verification pass.
 
 from __future__ import annotations
 
-from ..executor.model_runner import TokenSpan
+from ..sequence import TokenSpan
 from .drafting import draft_autoregressive
 from .proposer import DraftRequest, Drafts, Proposer
 
@@ -26,7 +26,7 @@ class LayerSkipProposer(Proposer):
     def propose(self, reqs: list[DraftRequest]) -> list[Drafts]:
         def first(r: DraftRequest) -> TokenSpan:
             p = r.seq.num_computed_tokens
-            return TokenSpan(r.seq.token_ids[p:p + 1], p, r.block_table)
+            return TokenSpan(r.seq.token_ids[p:p + 1], p, r.block_table, "last")
 
-        return draft_autoregressive(reqs, first, lambda spans: self.runner.run_spans(spans, self.num_draft_layers),
+        return draft_autoregressive(reqs, first, lambda spans: self.runner.execute(spans, num_layers=self.num_draft_layers),
                                     self.runner.compute_logits)
