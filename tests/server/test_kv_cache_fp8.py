@@ -34,14 +34,20 @@ def test_blocks_grow_by_the_byte_ratio(tiny_engine_factory, caplog, dtype, ratio
 
 
 def test_scales_are_calibrated_once_from_the_first_prefill(tiny_engine_factory, caplog):
-    eng = tiny_engine_factory(kv_cache_dtype="fp8")
-    assert all(float(s.abs().sum()) == 0 for _, _, s in eng.runner.kv_caches)
     with caplog.at_level(logging.INFO, logger="kvfleet.engine"):
+        eng = tiny_engine_factory(kv_cache_dtype="fp8")
+    layers = len(eng.runner.kv_caches)
+    assert any(f"k/v scales of {layers} layers calibrated from the first prefill" in r.getMessage()
+               for r in caplog.records)
+    assert all(float(s.abs().sum()) == 0 for _, _, s in eng.runner.kv_caches)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="kvfleet.engine"):
         eng.add_request("a", list(range(100, 140)), SamplingParams(temperature=0, max_tokens=4))
         run_to_completion(eng)
     first = [s.clone() for _, _, s in eng.runner.kv_caches]
     assert all(bool((s > 0).all()) for s in first)
-    assert any("calibrated from the first prefill" in r.getMessage() for r in caplog.records)
+    # each layer calibrated once, in the first pass
+    assert sum("a layer's k_scale" in r.getMessage() for r in caplog.records) == layers
     # scale = absmax * HEADROOM / 448: every value written so far fits within 1/HEADROOM of the range
     k_cache, v_cache, s = eng.runner.kv_caches[0]
     assert k_cache.view(torch.uint8).any()

@@ -24,7 +24,11 @@ code (one compiled graph per piece).
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+logger = logging.getLogger("kvfleet.engine")
 
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 #: calibration headroom over the first prefill's absmax (e4m3 keeps ~3 significant bits at any
@@ -70,6 +74,9 @@ def calibrate(scales: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fp8: torch
     fmax = torch.finfo(fp8).max
     absmax = torch.stack([k.detach().abs().amax(), v.detach().abs().amax()]).float()
     scales.copy_((absmax * HEADROOM / fmax).clamp(min=1e-8))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("KV cache %s: a layer's k_scale %.3g, v_scale %.3g (first prefill's absmax x%.0f)", fp8,
+                     *scales.tolist(), HEADROOM)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype) -> torch.Tensor:

@@ -36,7 +36,7 @@ from ..model.loader import GGUFModelFile, is_gguf, load_model_config, open_gguf
 from ..model.sharding import check_tp_size
 from ..outputs import RequestOutput
 from ..executor.model_runner import kv_bytes_per_token
-from ..sample.grammar import GrammarCompiler, SequenceGrammar, allocate_bitmask
+from ..sample.grammar import GrammarCompiler, SequenceGrammar, grammar_bitmask
 from ..sample.sampler import SampleRow, prompt_logprobs, sample
 from ..sampling_params import SamplingParams
 from .output_processor import OutputProcessor
@@ -452,7 +452,7 @@ class LLMEngine:
         """Sample one token for each of ``seqs`` from its logits row (grammar bitmask applied) and append it."""
         logits = self.runner.compute_logits(batch, rows)
         t_mask = time.perf_counter()
-        bitmask = self._grammar_bitmask(seqs)
+        bitmask = grammar_bitmask([s.grammar for s in seqs], self.model_config.vocab_size)
         it.structured_output_mask_s = time.perf_counter() - t_mask
         tokens, lps = sample(logits, [self._sample_row(s) for s in seqs], bitmask)
         now = time.monotonic()
@@ -475,16 +475,6 @@ class LLMEngine:
         for s in req.seqs:
             if not s.is_finished:
                 self.output.finish(s, "length")
-
-    def _grammar_bitmask(self, seqs: list[Sequence]):
-        """(bitmask, rows) of the sequences under a grammar, or None when there is none."""
-        idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
-        if not idx:
-            return None
-        bitmask = allocate_bitmask(len(seqs), self.model_config.vocab_size)
-        for i in idx:
-            seqs[i].grammar.fill_bitmask(bitmask, i)
-        return bitmask, idx
 
     def _sample_row(self, seq: Sequence, drafts: list[int] = ()) -> SampleRow:
         """Sampling context of the seq's next token; ``drafts`` = the draft tokens before the position

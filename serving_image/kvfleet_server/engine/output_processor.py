@@ -12,7 +12,6 @@ import logging
 
 from .detokenizer import find_stop, partial_stop_len
 from ..outputs import CompletionOutput, Logprob, RequestOutput
-from ..sample.jump_forward import plan_jump_forward
 from ..sample.sampler import TokenLogprobs
 from ..sequence import Request, Sequence, SeqStatus
 
@@ -49,45 +48,47 @@ class OutputProcessor:
         seq.token_ids.append(tok)
         if seq.logprobs is not None and lp is not None:
             seq.logprobs.append(self.logprob_entry(tok, lp))
-        g = seq.grammar
-        if g is not None and not g.accept(tok):  # cannot happen under the bitmask; end the sequence, never crash
-            logger.error("request %s: sampled token %d outside its grammar", req.request_id, tok)
-            self.finish(seq, "stop")
-            return 0
-        toks = [tok]
-        if (g is not None and self.config.enable_jump_forward and seq.logprobs is None
-                and not g.is_terminated and tok not in p.stop_token_ids):
-            budget = seq.num_tokens_left + 1  # the sampled token's place is in the plan
-            plan = plan_jump_forward(g, self.tokenizer, seq.output_token_ids, budget)
-            if plan is not None:
-                seq.token_ids[-1:] = plan
-                toks = plan
-        reason = None
-        for tok in toks:
-            if tok in p.stop_token_ids:
-                reason, seq.stop_reason = "stop", tok
-            elif tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
-                reason = "stop"
-            else:
-                delta = seq.detok.add(tok)
-                if delta:
-                    old = len(seq.text)
-                    seq.text += delta
-                    if p.stop:
-                        m = find_stop(seq.text, old, p.stop)
-                        if m is not None:
-                            idx, s = m
-                            seq.text = seq.text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
-                            reason, seq.stop_reason = "stop", s
-            if reason is not None:
-                break
-        if reason is None and g is not None and g.is_terminated:
+        toks, grammar_ended = [tok], False
+        if seq.grammar is not None:  # hook: structured output (jump-forward only where no logprobs are kept)
+            toks, grammar_ended = seq.grammar.advance(
+                tok, self.tokenizer, seq.output_token_ids, seq.num_tokens_left + 1,
+                self.config.enable_jump_forward and seq.logprobs is None and tok not in p.stop_token_ids)
+            if toks is None:  # cannot happen under the bitmask; end the sequence, never crash
+                logger.error("request %s: sampled token %d outside its grammar", req.request_id, tok)
+                self.finish(seq, "stop")
+                return 0
+            seq.token_ids[-1:] = toks
+        reason = self._stop_reason(seq, toks)
+        if reason is None and grammar_ended:
             reason = "stop"  # ignore_eos: the grammar ended, nothing may follow
         if reason is None and seq.num_tokens_left <= 0:
             reason = "length"
         if reason is not None:
             self.finish(seq, reason)
         return len(toks) - 1
+
+    def _stop_reason(self, seq: Sequence, toks: list[int]) -> str | None:
+        """Detokenize ``toks`` (just appended) until one ends the sequence: "stop" for a stop token, EOS
+        (unless ignore_eos) or a stop string (the text cut there); None if none does."""
+        p = seq.request.params
+        for tok in toks:
+            if tok in p.stop_token_ids:
+                seq.stop_reason = tok
+                return "stop"
+            if tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
+                return "stop"
+            delta = seq.detok.add(tok)
+            if not delta:
+                continue
+            old = len(seq.text)
+            seq.text += delta
+            m = find_stop(seq.text, old, p.stop) if p.stop else None
+            if m is not None:
+                idx, s = m
+                seq.text = seq.text[: idx + (len(s) if p.include_stop_str_in_output else 0)]
+                seq.stop_reason = s
+                return "stop"
+        return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -147,6 +147,10 @@ class ModelRunner:
         self.kv_caches = [(kv[2 * i], kv[2 * i + 1], scales(i)) for i in range(cfg.num_hidden_layers)]
         if is_fp8(kv_dtype) and ckpt_scales:
             logger.info("KV cache %s: k/v scales of %d layers from the checkpoint", kv_dtype, len(ckpt_scales))
+        if self._kv_calibration_pending:
+            logger.info("KV cache %s: k/v scales of %d layers calibrated from the first prefill's absmax x%.0f "
+                        "headroom (each layer's values at DEBUG)", kv_dtype,
+                        cfg.num_hidden_layers - len(ckpt_scales), HEADROOM)
         # an FP8 cache with the engine's own scales stores K and V in a Hadamard basis (kv_quant.py)
         rotation = hadamard(cfg.head_dim, torch.float32, self.device) if is_fp8(kv_dtype) else None
         rotated = [i for i in range(cfg.num_hidden_layers) if i not in ckpt_scales]
@@ -164,9 +168,8 @@ class ModelRunner:
             return
         src = torch.tensor([c[0] for c in copies], device=self.device)
         dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for k, v, _ in self.kv_caches:
-            if is_fp8(k.dtype):  # index kernels do not take float8: copy the bytes
-                k, v = k.view(torch.uint8), v.view(torch.uint8)
+        for k, v, _ in self.kv_caches:  # as bytes: index kernels do not take float8
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
             k[dst] = k[src]
             v[dst] = v[src]
 
@@ -257,8 +260,6 @@ class ModelRunner:
         else:
             hidden = self.model(*self._tensors(inputs), self.kv_caches, self._metadata(inputs), self.backend,
                                 num_layers=inputs.num_layers)
-            if self._kv_calibration_pending:
-                self._log_kv_calibration()
         self.last_hidden = hidden
         self.step_logits = None
         if inputs.logit_rows:
@@ -294,16 +295,11 @@ class ModelRunner:
                 mask = torch.arange(ctx, device=dev)[None, :] <= ppos[:, None]
             prefills.append(PrefillSpan(q_start, n, ctx, bt, mask))
         slot_mapping = torch.cat([torch.tensor(inputs.dec_slots, dtype=torch.long, device=dev)] + pre_slots)
+        # an FP8 pool without checkpoint scales calibrates them in the first pass: a full-depth prefill of
+        # the target (drafts need a decoding sequence), which reaches every layer
+        calibrate, self._kv_calibration_pending = self._kv_calibration_pending, False
         return AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(inputs.dec_positions),
-                                 decode_groups=groups, prefills=prefills, kv_calibrate=self._kv_calibration_pending)
-
-    def _log_kv_calibration(self) -> None:
-        """Once, after the first step: the FP8 KV scales computed from the first prefill."""
-        self._kv_calibration_pending = False
-        s = torch.stack([kv[2] for kv in self.kv_caches]).cpu()
-        logger.info("KV cache %s: k/v scales calibrated from the first prefill's absmax x%.0f headroom: "
-                    "k_scale %.3g..%.3g, v_scale %.3g..%.3g over %d layers", self.kv_cache_dtype, HEADROOM,
-                    s[:, 0].min(), s[:, 0].max(), s[:, 1].min(), s[:, 1].max(), len(self.kv_caches))
+                                 decode_groups=groups, prefills=prefills, kv_calibrate=calibrate)
 
     @torch.inference_mode()
     def execute(self, spans: list[TokenSpan], copies: list[tuple[int, int]] = (),

@@ -186,7 +186,9 @@ class GrammarCompiler:
 
 
 class SequenceGrammar:
-    """The grammar state of one sequence (an xgrammar ``GrammarMatcher``).
+    """The structured-output state of one sequence (an xgrammar ``GrammarMatcher``): the next token's mask
+    (``fill_bitmask``, batched by ``grammar_bitmask``), a sampled token's acceptance with SGLang's jump-forward
+    (``advance``), the state of each of n samples (``fork``) and rollback.
 
     Args:
         compiled: xgrammar ``CompiledGrammar``.
@@ -218,6 +220,25 @@ class SequenceGrammar:
             self.num_accepted += 1
         return ok
 
+    def advance(self, token_id: int, tokenizer, output_ids: list[int], budget: int, jump_forward: bool
+                ) -> tuple[list[int] | None, bool]:
+        """Accept the token just sampled (the last of ``output_ids``), then, with ``jump_forward``, the text
+        the grammar forces after it (``jump_forward.plan_jump_forward``, at most ``budget`` tokens in all).
+
+        Returns (the tokens that replace the sampled one — itself, or the jump-forward plan starting with
+        its retokenized replacement — or None when the grammar does not allow it (the sampler's bitmask
+        rules that out), and whether the grammar has terminated: nothing may follow).
+        """
+        if not self.accept(token_id):
+            return None, False
+        if jump_forward and not self.is_terminated:
+            from .jump_forward import plan_jump_forward
+
+            plan = plan_jump_forward(self, tokenizer, output_ids, budget)
+            if plan is not None:
+                return plan, self.is_terminated
+        return [token_id], self.is_terminated
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         if num_tokens:
@@ -237,6 +258,19 @@ class SequenceGrammar:
     def forced_continuation(self) -> str:
         """The text every continuation must start with (empty when the next token is a real choice)."""
         return self.matcher.find_jump_forward_string()
+
+
+def grammar_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int
+                    ) -> tuple[torch.Tensor, list[int]] | None:
+    """The batch's mask: (int32 bitmask [len(grammars), ceil(vocab_size / 32)], rows under a grammar), or
+    None when no row has one. Rows without a grammar allow every token."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return None
+    bitmask = allocate_bitmask(len(grammars), vocab_size)
+    for i in rows:
+        grammars[i].fill_bitmask(bitmask, i)
+    return bitmask, rows
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
