@@ -48,9 +48,9 @@ class OutputProcessor:
         seq.token_ids.append(tok)
         if seq.logprobs is not None and lp is not None:
             seq.logprobs.append(self.logprob_entry(tok, lp))
-        toks, grammar_ended = [tok], False
+        toks, grammar_end = [tok], None
         if seq.grammar is not None:  # hook: structured output (jump-forward only where no logprobs are kept)
-            toks, grammar_ended = seq.grammar.advance(
+            toks, terminated = seq.grammar.advance(
                 tok, self.tokenizer, seq.output_token_ids, seq.num_tokens_left + 1,
                 self.config.enable_jump_forward and seq.logprobs is None and tok not in p.stop_token_ids)
             if toks is None:  # cannot happen under the bitmask; end the sequence, never crash
@@ -58,11 +58,9 @@ class OutputProcessor:
                 self.finish(seq, "stop")
                 return 0
             seq.token_ids[-1:] = toks
-        reason = self._stop_reason(seq, toks)
-        if reason is None and grammar_ended:
-            reason = "stop"  # ignore_eos: the grammar ended, nothing may follow
-        if reason is None and seq.num_tokens_left <= 0:
-            reason = "length"
+            grammar_end = "stop" if terminated else None  # ignore_eos: the grammar ended, nothing may follow
+        reason = (self._stop_reason(seq, toks) or grammar_end
+                  or ("length" if seq.num_tokens_left <= 0 else None))
         if reason is not None:
             self.finish(seq, reason)
         return len(toks) - 1
