@@ -92,7 +92,7 @@ def export_float_checkpoint(gguf_path: str, out_dir: str) -> str:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from .model.loader import open_gguf, read_gguf_config, read_gguf_tensors
+    from .model.gguf_reader import open_gguf, read_gguf_config, read_gguf_tensors
 
     reader = open_gguf(gguf_path)
     cfg = read_gguf_config(reader)

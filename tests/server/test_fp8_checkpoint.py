@@ -125,7 +125,7 @@ def test_vllm_per_tensor_fp8_checkpoints_load_with_one_scale_per_shard(tiny_llam
 
 
 def load_file_all(d: str) -> dict[str, torch.Tensor]:
-    from kvfleet_server.model.loader import read_hf_tensors
+    from kvfleet_server.model.hf_reader import read_hf_tensors
 
     return read_hf_tensors(d)
 

@@ -42,7 +42,7 @@ def _same(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dequantized", "packed"])
 def test_second_read_comes_from_the_cache_and_equals_the_parse(cache, gguf_copy, packed):
-    from kvfleet_server.model.loader import GGUFModelFile
+    from kvfleet_server.model.gguf_reader import GGUFModelFile
 
     first = GGUFModelFile(gguf_copy, packed)
     assert not first.from_cache and first.reader is not None
@@ -61,7 +61,8 @@ def test_second_read_comes_from_the_cache_and_equals_the_parse(cache, gguf_copy,
 
 @pytest.mark.parametrize("quantization", [None, "gguf"], ids=["float32", "packed"])
 def test_models_from_the_cache_and_the_parse_hold_the_same_weights(cache, gguf_copy, quantization):
-    from kvfleet_server.model.loader import GGUFModelFile, load_model
+    from kvfleet_server.model.gguf_reader import GGUFModelFile
+    from kvfleet_server.model.loader import load_model
 
     states = []
     for expect_cached in (False, True):
@@ -75,7 +76,7 @@ def test_models_from_the_cache_and_the_parse_hold_the_same_weights(cache, gguf_c
 
 
 def test_a_changed_file_misses_and_replaces_its_old_entry(cache, gguf_copy):
-    from kvfleet_server.model.loader import GGUFModelFile
+    from kvfleet_server.model.gguf_reader import GGUFModelFile
 
     GGUFModelFile(gguf_copy).tensors()
     GGUFModelFile(gguf_copy, packed=True).tensors()
@@ -91,7 +92,7 @@ def test_a_changed_file_misses_and_replaces_its_old_entry(cache, gguf_copy):
 
 
 def test_a_file_replaced_while_it_is_read_is_not_cached_under_its_new_identity(cache, gguf_copy, tmp_path):
-    from kvfleet_server.model.loader import GGUFModelFile
+    from kvfleet_server.model.gguf_reader import GGUFModelFile
 
     other = tmp_path / "other.gguf"
     shutil.copyfile(gguf_copy, other)
@@ -102,7 +103,7 @@ def test_a_file_replaced_while_it_is_read_is_not_cached_under_its_new_identity(c
 
 
 def test_a_file_rewritten_in_place_with_its_old_mtime_misses(cache, gguf_copy):
-    from kvfleet_server.model.loader import GGUFModelFile
+    from kvfleet_server.model.gguf_reader import GGUFModelFile
 
     GGUFModelFile(gguf_copy).tensors()
     st = os.stat(gguf_copy)
@@ -117,7 +118,7 @@ def test_a_file_rewritten_in_place_with_its_old_mtime_misses(cache, gguf_copy):
 
 
 def test_a_damaged_entry_is_parsed_again_and_rewritten(cache, gguf_copy, caplog):
-    from kvfleet_server.model.loader import GGUFModelFile
+    from kvfleet_server.model.gguf_reader import GGUFModelFile
 
     GGUFModelFile(gguf_copy).tensors()
     (entry,) = cache.iterdir()
@@ -129,7 +130,7 @@ def test_a_damaged_entry_is_parsed_again_and_rewritten(cache, gguf_copy, caplog)
 
 
 def test_an_unwritable_cache_only_costs_the_parse(tmp_path, monkeypatch, gguf_copy):
-    from kvfleet_server.model.loader import GGUFModelFile
+    from kvfleet_server.model.gguf_reader import GGUFModelFile
 
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
@@ -141,7 +142,7 @@ def test_an_unwritable_cache_only_costs_the_parse(tmp_path, monkeypatch, gguf_co
 
 @pytest.mark.parametrize("off", ["off", "0", "false", "no"])
 def test_cache_off(monkeypatch, gguf_copy, tmp_path, off):
-    from kvfleet_server.model.loader import GGUFModelFile
+    from kvfleet_server.model.gguf_reader import GGUFModelFile
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("KVFLEET_GGUF_CACHE", off)
@@ -151,14 +152,15 @@ def test_cache_off(monkeypatch, gguf_copy, tmp_path, off):
 
 
 def test_tensor_parallel_workers_do_not_write_entries(cache, gguf_copy):
-    from kvfleet_server.model.loader import GGUFModelFile
+    from kvfleet_server.model.gguf_reader import GGUFModelFile
 
     GGUFModelFile(gguf_copy, save=False).tensors()
     assert not cache.exists() or not os.listdir(cache)
 
 
 def test_packed_file_for_a_float_load_is_refused(cache, gguf_copy):
-    from kvfleet_server.model.loader import GGUFModelFile, load_model
+    from kvfleet_server.model.gguf_reader import GGUFModelFile
+    from kvfleet_server.model.loader import load_model
 
     with pytest.raises(ValueError, match="packed=True"):
         load_model(gguf_copy, torch.float32, "cpu", gguf=GGUFModelFile(gguf_copy, packed=True))

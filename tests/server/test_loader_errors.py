@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvfleet_server.errors import UnsupportedFeatureError
-from kvfleet_server.model.loader import ModelLoadError, load_model
+from kvfleet_server.model.checkpoint import ModelLoadError
+from kvfleet_server.model.loader import load_model
 
 
 def _copy(src, tmp_path):

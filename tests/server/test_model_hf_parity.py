@@ -72,7 +72,7 @@ def test_greedy_tokens_match_transformers(request, fixture):
 
 
 def test_llama3_rope_scaling_is_read(tiny_llama_dir):
-    from kvfleet_server.model.loader import read_hf_config
+    from kvfleet_server.model.hf_reader import read_hf_config
 
     cfg = read_hf_config(tiny_llama_dir)
     assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0

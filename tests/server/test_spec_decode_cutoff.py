@@ -98,15 +98,15 @@ def test_draft_costs_follow_the_weights_read(tiny_engine_factory):
 
 def test_a_gguf_drafts_config_is_read_from_its_header_alone(gguf_path, monkeypatch):
     # the draft's cost is known without reading a tensor: no GGUF cache entry, no weights
-    from kvfleet_server.model import gguf_cache, loader
+    from kvfleet_server.model import gguf_cache, gguf_reader
 
-    want = loader.GGUFModelFile(gguf_path).config
+    want = gguf_reader.GGUFModelFile(gguf_path).config
 
     def no_tensors(*a, **kw):
         raise AssertionError("tensors were read")
 
     monkeypatch.setattr(gguf_cache, "load", no_tensors)
-    monkeypatch.setattr(loader, "read_gguf_tensors", no_tensors)
+    monkeypatch.setattr(gguf_reader, "read_gguf_tensors", no_tensors)
     assert load_model_config(gguf_path) == want
 
 

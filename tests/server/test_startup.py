@@ -31,7 +31,7 @@ MESSAGES = [
 def readers(gguf_path):
     from gguf import GGUFReader
 
-    from kvfleet_server.model.loader import open_gguf
+    from kvfleet_server.model.gguf_reader import open_gguf
 
     return GGUFReader(gguf_path), open_gguf(gguf_path)
 
@@ -50,14 +50,15 @@ def test_single_parse_reader_equals_gguf_reader(readers):
 
 
 def test_config_from_the_gguf_model_file_equals_a_fresh_parse(gguf_path, readers):
-    from kvfleet_server.model.loader import GGUFModelFile, load_model_config, read_gguf_config
+    from kvfleet_server.model.gguf_reader import GGUFModelFile, read_gguf_config
+    from kvfleet_server.model.loader import load_model_config
 
     assert load_model_config(gguf_path, GGUFModelFile(gguf_path)) == read_gguf_config(readers[0])
     assert load_model_config(gguf_path) == read_gguf_config(readers[0])
 
 
 def test_gguf_tensors_are_writable_float32_copies(readers):
-    from kvfleet_server.model.loader import read_gguf_config, read_gguf_tensors
+    from kvfleet_server.model.gguf_reader import read_gguf_config, read_gguf_tensors
 
     reader = readers[1]
     tensors = read_gguf_tensors(reader, read_gguf_config(reader))
@@ -180,7 +181,8 @@ def test_engine_on_hf_directory_has_no_gguf_phase(tiny_llama_dir):
 
 
 def test_open_gguf_refuses_a_non_gguf_file_naming_it(tmp_path):
-    from kvfleet_server.model.loader import ModelLoadError, open_gguf
+    from kvfleet_server.model.checkpoint import ModelLoadError
+    from kvfleet_server.model.gguf_reader import open_gguf
 
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"NOTGGUF" + bytes(64))

@@ -32,7 +32,9 @@ from ..executor.engine_setup import build_shard, prepare_model, size_kv_pool
 from ..executor.workers import WorkerGroup, start_workers
 from ..model.layers.quant import model_weight_bytes, quantization_note
 from ..generation_config import read_generation_defaults
-from ..model.loader import GGUFModelFile, is_gguf, load_model_config, open_gguf
+from ..model.checkpoint import is_gguf
+from ..model.gguf_reader import GGUFModelFile, open_gguf
+from ..model.loader import load_model_config
 from ..model.sharding import check_tp_size
 from ..outputs import RequestOutput
 from ..executor.model_runner import kv_bytes_per_token

@@ -23,7 +23,9 @@ from .cuda_graphs import DecodeGraphs, capture_sizes, graph_memory_bytes
 from ..attention.kv_quant import kv_cache_torch_dtype
 from ..config import DEFAULT_CPU_KV_CACHE_BYTES, DEFAULT_MAX_NUM_BATCHED_TOKENS, MAX_DEFAULT_MODEL_LEN, EngineConfig
 from ..model.config import ModelConfig
-from ..model.loader import GGUFModelFile, is_gguf, load_model, load_model_config
+from ..model.checkpoint import is_gguf
+from ..model.gguf_reader import GGUFModelFile
+from ..model.loader import load_model, load_model_config
 from ..model.sharding import check_tp_size
 from ..distributed import TPGroup
 from .model_runner import ModelRunner, StepInputs, kv_bytes_per_token

@@ -11,7 +11,7 @@ in one safetensors file; later starts read it back (one sequential read from the
 - Key (``Source``): the file's absolute path, device, inode, size, mtime and ctime (``utime`` cannot
   set ctime: a file rewritten in place with its old mtime restored still misses), whether its
   Q4_0/Q4_1/Q8_0 tensors are kept packed (``--quantization gguf``) or dequantized, the gguf library's
-  version and a hash of the code that decodes (loader.py, config.py, quant/gguf.py, this file) — a
+  version and a hash of the code that decodes (gguf_reader.py, config.py, quant/gguf.py, this file) — a
   changed file, library or decoder misses and writes a new entry.
 - The key is taken before the file is read and checked again before the entry is published: a file
   replaced during the start is not cached under its new identity.
@@ -47,7 +47,7 @@ _META = "kvfleet.gguf_cache"
 _OFF = ("off", "0", "false", "no", "none")
 _TMP_MAX_AGE_S = 3600
 #: the code whose output is cached: an edit to any of them changes every key
-_DECODERS = (Path(__file__), Path(__file__).with_name("loader.py"), Path(__file__).with_name("config.py"),
+_DECODERS = (Path(__file__), Path(__file__).with_name("gguf_reader.py"), Path(__file__).with_name("config.py"),
              Path(__file__).parent / "layers" / "quant" / "gguf.py")
 
 

@@ -55,7 +55,8 @@ def quantize(args) -> dict:
     from ..config import resolve_model
     from ..evaluate import export_float_checkpoint
     from ..model.layers.quant.fp8 import quantize_per_channel_fp8
-    from ..model.loader import is_gguf, read_hf_config, read_hf_tensors
+    from ..model.checkpoint import is_gguf
+    from ..model.hf_reader import read_hf_config, read_hf_tensors
     from .gptq import gptq_fp8
     from .writer import quantize_tensors, write_fp8_checkpoint
 

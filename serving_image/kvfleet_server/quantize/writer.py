@@ -14,7 +14,7 @@ import shutil
 
 import torch
 
-from ..model.loader import FUSED_HF_PROJECTIONS
+from ..model.hf_reader import FUSED_HF_PROJECTIONS
 
 #: HF projection names → the kvfleet projection whose inputs they see (the calibration's H)
 HF_PROJECTIONS = {hf: fused for fused, names in FUSED_HF_PROJECTIONS.items() for hf in names}

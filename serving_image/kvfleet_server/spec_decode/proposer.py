@@ -75,11 +75,11 @@ def decode_read_bytes(model: torch.nn.Module, num_layers: int | None = None) -> 
 
 def config_read_bytes(cfg, itemsize: int) -> int:
     """What ``decode_read_bytes`` gives for a model of ``cfg`` (a ModelConfig) loaded with ``itemsize``-byte
-    float weights, from the architecture's parameter shapes alone (``loader.expected_shapes``) — before any
+    float weights, from the architecture's parameter shapes alone (``checkpoint.expected_shapes``) — before any
     weight is loaded: every parameter but the embedding, which only a tied model reads (as its LM head).
     An FP8 checkpoint (``cfg.checkpoint_quantization == "fp8"``) stores the decoder projections as 1-byte
     codes plus one float32 scale per output row."""
-    from ..model.loader import expected_shapes
+    from ..model.checkpoint import expected_shapes
 
     fp8 = cfg.checkpoint_quantization == "fp8"
     total = 0
