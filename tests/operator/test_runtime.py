@@ -17,7 +17,7 @@ import yaml
 
 from kmock_support import running_operator, wait_for
 from kvfleet_operator import api as isvc_api
-from kvfleet_operator import cli, render, runtime
+from kvfleet_operator import cli, render, runtime, server_args
 from kvfleet_server.flags import build_parser as kvfleet_parser
 from test_torch_free_render import engine_field_specs
 
@@ -177,7 +177,7 @@ def _emitted_flags() -> set[str]:
         spec.setdefault("engine", {})["extraArgs"] = []
         model = render.parse_spec(isvc(spec))
         paths = collections.defaultdict(lambda: "/m")  # every model uri's path (cache.PodStorage.paths)
-        flags |= {a for a in render.server_args(model, paths) if a.startswith("--")}
+        flags |= {a for a in server_args.server_args(model, paths) if a.startswith("--")}
     return flags
 
 

@@ -1,6 +1,7 @@
-"""Build and load kvfleet's C++ CPU kernels, one library from ``csrc/``: paged attention
-(``paged_attention_cpu.cpp``), a decoder layer's fused element-wise ops (``layer_ops_cpu.cpp``:
-RMSNorm, residual add + RMSNorm, RoPE, SiLU-and-mul) and the float32 panel linear (``linear_cpu.cpp``),
+"""Build and load kvfleet's C++ CPU kernels, one library from ``csrc/``: paged attention per row
+(``paged_attention_cpu.cpp``) and per span (``paged_span_attention_cpu.cpp``), sharing ``softmax.h``; a
+decoder layer's fused element-wise ops (``layer_ops_cpu.cpp``: RMSNorm, residual add + RMSNorm, RoPE,
+SiLU-and-mul) and the float32 panel linear (``linear_cpu.cpp``),
 sharing ``vec_avx2.h`` (AVX2 helpers) and ``panel_tile.h`` (the 6 x 16 micro-kernel of the linear and the
 span attention kernel).
 
@@ -37,8 +38,9 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "linear_cpu.cpp")
-HEADERS = (CSRC / "vec_avx2.h", CSRC / "panel_tile.h")
+SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "paged_span_attention_cpu.cpp", CSRC / "layer_ops_cpu.cpp",
+           CSRC / "linear_cpu.cpp")
+HEADERS = (CSRC / "vec_avx2.h", CSRC / "panel_tile.h", CSRC / "softmax.h")
 STALE_LOCK_S = 600
 _X86_V3 = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}
 _state: dict = {}
