@@ -138,8 +138,14 @@ async def _serve(app, state, args, t_main: float, age_at_main: float | None) -> 
 
     def on_load_error(exc: BaseException) -> None:
         nonlocal exit_code
-        print(f"error: loading the model failed: {exc}", file=sys.stderr)
-        exit_code = 1
+        from .model.lora_checkpoint import LoRAError
+
+        if isinstance(exc, LoRAError):  # a bad --lora-modules adapter: a usage error, as a bad flag
+            print(f"error: {exc}", file=sys.stderr)
+            exit_code = 2
+        else:
+            print(f"error: loading the model failed: {exc}", file=sys.stderr)
+            exit_code = 1
         server.should_exit = True
 
     state.on_load_error = on_load_error

@@ -119,6 +119,10 @@ def resolve_model(model: str | None) -> str:
     return model
 
 
+#: the largest --max-lora-rank (vLLM's)
+MAX_LORA_RANK = 512
+
+
 @dataclass
 class EngineConfig:
     """Engine configuration (vLLM engine-arg names).
@@ -177,6 +181,11 @@ class EngineConfig:
             or a GGUF's general.sampling.* metadata, gives the defaults of request fields left unset) |
             "vllm" (vLLM's neutral defaults) | a directory holding generation_config.json (its
             max_new_tokens also caps max_tokens). See ``generation_config.py``.
+        enable_lora: serve LoRA adapters (vLLM's --enable-lora; docs/lora.md).
+        lora_modules: adapters loaded at start-up: [{"name", "path", "base_model_name"?}] (--lora-modules).
+        max_loras: adapters that can run in one batch (adapter slots in the model's layers), default 1.
+        max_lora_rank: largest adapter rank r, default 16 (vLLM's); the slots are sized for it.
+        max_cpu_loras: adapters kept in host memory, least recently used evicted (default: max_loras).
     """
 
     model: str | None = None
@@ -206,6 +215,11 @@ class EngineConfig:
     cpu_weight_prepack: bool = True
     cpu_fused_ops: bool = True
     generation_config: str = "auto"
+    enable_lora: bool = False
+    lora_modules: list | None = None
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -287,6 +301,34 @@ class EngineConfig:
         from .generation_config import check_generation_config
 
         check_generation_config(self.generation_config)
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK}, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                               or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras "
+                             f"({self.max_loras})")
+        modules = self.lora_modules or []
+        if modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        seen = set()
+        for i, m in enumerate(modules):
+            if not isinstance(m, dict) or not isinstance(m.get("name"), str) or not isinstance(m.get("path"), str) \
+                    or not m["name"] or not m["path"] or set(m) - {"name", "path", "base_model_name"}:
+                raise ValueError(f"lora_modules[{i}] must be {{name, path, base_model_name?}} with non-empty "
+                                 f"name and path, got {m!r}")
+            if m["name"] in seen:
+                raise ValueError(f"lora_modules[{i}]: the name {m['name']!r} is given twice")
+            seen.add(m["name"])
+
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     # --- resolved values -----------------------------------------------------------------------
     def resolved_compilation_level(self) -> int:

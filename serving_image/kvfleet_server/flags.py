@@ -28,6 +28,20 @@ def _compilation_arg(text: str) -> dict:
     return {"level": int(text)} if text.strip().isdigit() else _json_arg(text)
 
 
+def _lora_module_arg(text: str) -> dict:
+    """vLLM's --lora-modules item: ``name=path`` or JSON ``{"name", "path", "base_model_name"?}``."""
+    if text.lstrip().startswith("{"):
+        value = _json_arg(text)
+        if not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str) \
+                or set(value) - {"name", "path", "base_model_name"}:
+            raise argparse.ArgumentTypeError(f'must be name=path or {{"name", "path", "base_model_name"}}, got {text}')
+        return value
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"must be name=path, got {text!r}")
+    return {"name": name, "path": path}
+
+
 def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -180,8 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
                         'attention, -O0 / {"level": 0} eager; default 3 on CUDA, 0 on the CPU (measured: no gain there)')
     e.add_argument("--speculative-config", type=_json_arg, default=None,
                    help='speculative decoding, JSON (e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'; '
-                        'refused: not supported yet)')
-    e.add_argument("--enable-lora", action="store_true", help="LoRA adapters (refused: not supported yet)")
+                        'methods ngram, draft_model, layer_skip: docs/spec_decode.md)')
+    lo = p.add_argument_group("LoRA adapters (docs/lora.md)")
+    lo.add_argument("--enable-lora", action="store_true",
+                    help="serve LoRA adapters: requests pick one by the model field")
+    lo.add_argument("--lora-modules", nargs="+", type=_lora_module_arg, default=None, metavar="NAME=PATH",
+                    help='adapters loaded at start-up: name=path or JSON {"name", "path", "base_model_name"}')
+    lo.add_argument("--max-loras", type=_positive_int, default=1, help="adapters that can run in one batch")
+    lo.add_argument("--max-lora-rank", type=_positive_int, default=16, help="largest adapter rank r")
+    lo.add_argument("--max-cpu-loras", type=_positive_int, default=None,
+                    help="adapters kept in host memory (default: --max-loras)")
     e.add_argument("--structured-outputs-config", type=_json_arg, default=None,
                    help='structured output, JSON: vLLM\'s {"backend": "auto"|"xgrammar", "disable_any_whitespace": '
                         'bool} and kvfleet\'s {"max_whitespace": int (JSON whitespace between tokens, default 2), '
@@ -232,7 +254,8 @@ ENGINE_FIELDS = ("model", "tokenizer", "dtype", "device", "block_size", "gpu_mem
                  "enable_prefix_caching", "quantization", "kv_cache_dtype", "tensor_parallel_size",
                  "speculative_config", "seed", "num_threads", "max_logprobs",
                  "structured_outputs_config", "enable_jump_forward", "attention_backend", "enforce_eager",
-                 "compilation_config", "cpu_weight_prepack", "cpu_fused_ops", "generation_config")
+                 "compilation_config", "cpu_weight_prepack", "cpu_fused_ops", "generation_config",
+                 "enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 
 def parse_flags(argv: list[str]) -> argparse.Namespace:

@@ -210,6 +210,9 @@ class ServerMetrics:
         self._cache_config = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
                                    ["block_size", "num_gpu_blocks", "enable_prefix_caching",
                                     "gpu_memory_utilization", "kv_cache_dtype", "engine"], registry=r)
+        self._lora_info = Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
+        self._lora_labels: tuple[str, str, str] | None = None
         self._timings: dict[str, _Timing] = {}
         self.log_stats_interval_s = log_stats_interval_s
         self._log_last: float | None = None
@@ -253,6 +256,19 @@ class ServerMetrics:
         self.blocks_total.set(stats.num_blocks_total)
         self.blocks_free.set(stats.num_blocks_free)
         self.blocks_cached.set(stats.num_blocks_cached)
+        if stats.max_lora:
+            self._set_lora_info(stats)
+
+    def _set_lora_info(self, stats: SchedulerStats) -> None:
+        """vLLM's ``vllm:lora_requests_info``: one series whose labels name the adapters of the running and
+        waiting requests (comma-separated) and whose value is the time it was set (seconds since the
+        epoch; the Inference Extension's lora-affinity scorer reads the newest). The previous series is
+        removed when the labels change."""
+        labels = (str(stats.max_lora), ",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters))
+        if labels != self._lora_labels and self._lora_labels is not None:
+            self._lora_info.remove(*self._lora_labels)
+        self._lora_labels = labels
+        self._lora_info.labels(*labels).set_to_current_time()
 
     def request_added(self, request_id: str, arrival: float) -> None:
         self._timings[request_id] = _Timing(arrival=arrival)

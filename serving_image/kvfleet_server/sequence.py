@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def hash_block_tokens(parent: bytes | None, token_ids: list[int] | tuple[int, ...], extra: tuple = ()) -> bytes:
     """Content hash of a full block: blake2b over (parent hash, extra keys, token ids).
 
-    Extra keys (cache_salt, later adapter ids) are length-prefixed UTF-8 so that no two different
+    Extra keys (("salt", cache_salt), ("lora", adapter name)) are length-prefixed UTF-8 so that no two different
     key tuples give the same bytes. Returns a 32-byte digest.
     """
     h = hashlib.blake2b(digest_size=32)
@@ -121,11 +121,27 @@ class Sequence:
 _req_counter = itertools.count()
 
 
+@dataclass(frozen=True)
+class LoRARequest:
+    """A LoRA adapter a request runs with (vLLM's ``LoRARequest``).
+
+    Attributes:
+        name: the name requests select it by (the OpenAI ``model`` field).
+        lora_int_id: a positive id, never reused within a server's life (KV events' ``lora_id``).
+        path: directory of the PEFT adapter (adapter_config.json + adapter_model.safetensors).
+    """
+
+    name: str
+    lora_int_id: int
+    path: str
+
+
 class Request:
     """What add_request received, plus its sequences."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, max_tokens: int, cache_salt: str | None = None):
+                 arrival_time: float, max_tokens: int, cache_salt: str | None = None,
+                 lora: LoRARequest | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -134,7 +150,11 @@ class Request:
         self.order = next(_req_counter)
         self.max_tokens = max_tokens
         self.cache_salt = cache_salt
-        self.hash_extra: tuple = () if cache_salt is None else ("salt", cache_salt)
+        self.lora = lora
+        # each key tagged by its source: a salt and an adapter name with the same text never collide; the
+        # adapter's id too, so that a name loaded again from another path never reuses the old one's KV
+        self.hash_extra: tuple = (() if cache_salt is None else ("salt", cache_salt)) + (
+            () if lora is None else ("lora", lora.name, lora.lora_int_id))
         self.seqs: list[Sequence] = []
         self.forked = params.n == 1
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
@@ -156,12 +176,14 @@ class TokenSpan:
     its cached prefix: a prefill chunk, or a decode followed by its draft tokens).
 
     ``logits``: which rows' logits to compute with the step: "last" (the span samples its next token),
-    "all" (every row verifies a draft) or None (none; ``compute_logits`` can still ask for any row)."""
+    "all" (every row verifies a draft) or None (none; ``compute_logits`` can still ask for any row).
+    ``lora_slot``: the LoRA adapter slot its rows apply (−1: the base model)."""
 
     token_ids: list[int]
     start: int
     block_table: list[int]
     logits: str | None = None
+    lora_slot: int = -1
 
 
 @dataclass
@@ -193,11 +215,11 @@ class ScheduledSeq:
         p = self.seq.num_computed_tokens
         return self.seq.token_ids[p : p + self.num_known] + self.draft_ids
 
-    def span(self, block_table: list[int]) -> TokenSpan:
+    def span(self, block_table: list[int], lora_slot: int = -1) -> TokenSpan:
         """This step's tokens as the runner computes them: logits with the step for every row of a
-        drafted span (verification) or the last row of one that samples."""
+        drafted span (verification) or the last row of one that samples; ``lora_slot`` its adapter's slot."""
         logits = "all" if self.draft_ids else "last" if self.samples else None
-        return TokenSpan(self.input_ids(), self.seq.num_computed_tokens, block_table, logits)
+        return TokenSpan(self.input_ids(), self.seq.num_computed_tokens, block_table, logits, lora_slot)
 
 
 @dataclass

@@ -21,6 +21,8 @@ class SchedulerStats:
             count as free, as in vLLM).
         num_blocks_total / num_blocks_free / num_blocks_cached: KV block pool counts; cached blocks
             are free blocks that still hold a reusable prefix.
+        running_lora_adapters / waiting_lora_adapters: names of the adapters of the running and the waiting
+            requests (each once); max_lora: --max-loras (0 without --enable-lora).
     """
 
     num_running: int = 0
@@ -29,6 +31,9 @@ class SchedulerStats:
     num_blocks_total: int = 0
     num_blocks_free: int = 0
     num_blocks_cached: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 @dataclass

@@ -115,7 +115,6 @@ ENGINE_REFUSALS: tuple[EngineRefusal, ...] = (
                   ("--revision", "main")),
     EngineRefusal("--download-dir", "download_dir", "downloading from the Hugging Face Hub: kvfleet-server loads "
                   "a local path", _set("download_dir"), ("--download-dir", "/tmp/hf")),
-    EngineRefusal("--enable-lora", "enable_lora", "LoRA adapters", _set("enable_lora"), ("--enable-lora",)),
     EngineRefusal("--structured-outputs-config", "structured_outputs_config",
                   "structured-output backends other than xgrammar",
                   lambda s: isinstance(s.get("structured_outputs_config"), dict)

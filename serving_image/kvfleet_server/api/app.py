@@ -16,6 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from .drain import InflightMiddleware
 from .errors import error_body, install_error_handlers
+from .routes_lora import router as lora_router, runtime_lora_updating
 from .routes_misc import router as misc_router
 from .routes_openai import router as openai_router
 from .routes_render import router as render_router
@@ -70,6 +71,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(openai_router)
     app.include_router(render_router)
     app.include_router(misc_router)
+    if runtime_lora_updating():  # vLLM mounts the runtime LoRA API only then
+        app.include_router(lora_router)
     app.add_middleware(InflightMiddleware, drain=state.drain)
     if state.settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=state.settings.api_key)

@@ -44,6 +44,7 @@ class _Add:
     future: asyncio.Future
     arrival: float
     add_special_tokens: bool = True
+    lora_request: object = None
 
 
 @dataclass
@@ -116,10 +117,11 @@ class AsyncEngine:
     # ------------------------------------------------------------------ asyncio side
 
     async def add_many(self, requests: list[tuple[str, str | list[int], SamplingParams, str | None]],
-                       add_special_tokens: bool = True) -> list["RequestStream"]:
+                       add_special_tokens: bool = True, lora_request=None) -> list["RequestStream"]:
         """Submit requests ``(request_id, prompt, params, cache_salt)`` together; returns one stream each.
 
-        ``add_special_tokens``: whether the engine adds BOS etc. when it tokenizes a text prompt.
+        ``add_special_tokens``: whether the engine adds BOS etc. when it tokenizes a text prompt;
+        ``lora_request``: the LoRA adapter they run with (``sequence.LoRARequest``), or None.
 
         Waits until the engine thread has accepted all of them.
 
@@ -137,7 +139,8 @@ class AsyncEngine:
             stream = RequestStream(self, request_id)
             self._streams[request_id] = stream.queue
             fut = loop.create_future()
-            self._cmds.put(_Add(request_id, prompt, params, salt, fut, time.monotonic(), add_special_tokens))
+            self._cmds.put(_Add(request_id, prompt, params, salt, fut, time.monotonic(), add_special_tokens,
+                                lora_request))
             streams.append(stream)
             futures.append(fut)
         try:
@@ -206,7 +209,8 @@ class AsyncEngine:
         if isinstance(cmd, _Add):
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, arrival_time=cmd.arrival,
-                                        cache_salt=cmd.cache_salt, add_special_tokens=cmd.add_special_tokens)
+                                        cache_salt=cmd.cache_salt, add_special_tokens=cmd.add_special_tokens,
+                                        lora_request=cmd.lora_request)
             except Exception as exc:  # noqa: BLE001 - handed to the HTTP handler (400 for InvalidRequestError)
                 self._post(_set_exception, cmd.future, exc)
                 return True

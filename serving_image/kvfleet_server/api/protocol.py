@@ -237,7 +237,18 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kvfleet"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(BaseModel):

@@ -56,7 +56,8 @@ def _usage(prompt_lens: list[int], completion_tokens: int) -> UsageInfo:
     return UsageInfo(prompt_tokens=p, completion_tokens=completion_tokens, total_tokens=p + completion_tokens)
 
 
-async def _submit(state, prompts: list, params, cache_salt: str | None, prefix: str, add_special_tokens: bool = True):
+async def _submit(state, prompts: list, params, cache_salt: str | None, prefix: str, add_special_tokens: bool = True,
+                  lora=None):
     if params.stop:
         for s in params.stop:
             check_text(s, "stop")
@@ -65,7 +66,7 @@ async def _submit(state, prompts: list, params, cache_salt: str | None, prefix: 
     engine = state.admit(len(prompts))
     rid = random_id(prefix)
     reqs = [(f"{rid}-{i}", p, dataclasses.replace(params), cache_salt) for i, p in enumerate(prompts)]
-    return rid, await engine.add_many(reqs, add_special_tokens)
+    return rid, await engine.add_many(reqs, add_special_tokens, lora_request=lora)
 
 
 async def _constrain(state, body, plan: ToolPlan | None = None):
@@ -103,7 +104,7 @@ def _abort_error() -> APIError:
 async def create_completion(body: CompletionRequest, request: Request):
     """OpenAI Completions; ``max_tokens`` null or absent means up to max_model_len (as vLLM)."""
     state = _state(request)
-    state.check_model(body.model)
+    lora = state.resolve_model(body.model)
     state.require_engine()
     prompts = completion_prompts(body.prompt)
     for p in prompts:
@@ -112,7 +113,7 @@ async def create_completion(body: CompletionRequest, request: Request):
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
     params = completion_sampling_params(body, state.settings.max_logprobs, state.generation_defaults)
     params.structured_outputs = await _constrain(state, body)
-    rid, streams = await _submit(state, prompts, params, body.cache_salt, "cmpl", body.add_special_tokens)
+    rid, streams = await _submit(state, prompts, params, body.cache_salt, "cmpl", body.add_special_tokens, lora)
     tok = state.llm.tokenizer
     prompt_texts = [p if isinstance(p, str) else None for p in prompts]
 
@@ -123,7 +124,7 @@ async def create_completion(body: CompletionRequest, request: Request):
 
     k = body.logprobs
     piece = getattr(tok, "id_to_piece", None) or (lambda t: tok.decode([t]))
-    model = state.model_name
+    model = lora.name if lora is not None else state.model_name
     created = now()
 
     if body.stream:
@@ -265,7 +266,7 @@ def render_chat(state, body, plan: ToolPlan | None = None) -> str:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     """OpenAI Chat Completions with the model's chat template."""
     state = _state(request)
-    state.check_model(body.model)
+    lora = state.resolve_model(body.model)
     state.require_engine()
     if body.stream_options is not None and not body.stream:
         raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
@@ -278,14 +279,14 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     prompt = render_chat(state, body, plan)
     # the chat template already wrote the special tokens (as vLLM: add_special_tokens=False for chat)
     try:
-        rid, streams = await _submit(state, [prompt], params, body.cache_salt, "chatcmpl", False)
+        rid, streams = await _submit(state, [prompt], params, body.cache_salt, "chatcmpl", False, lora)
     except InvalidRequestError as exc:  # the engine says max_tokens: name the field the request sent
         if exc.param == "max_tokens" and body.max_completion_tokens is not None:
             raise InvalidRequestError(exc.message.replace("max_tokens", "max_completion_tokens"),
                                       param="max_completion_tokens") from None
         raise
     k = (body.top_logprobs or 0) if body.logprobs else None
-    model = state.model_name
+    model = lora.name if lora is not None else state.model_name
     created = now()
 
     if body.stream:

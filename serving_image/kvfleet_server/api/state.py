@@ -203,8 +203,18 @@ class ServerState:
         return self.engine
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.settings.served_model_names:
+        self.resolve_model(model)
+
+    def resolve_model(self, model: str | None):
+        """The LoRA adapter (``sequence.LoRARequest``) the ``model`` field names, or None for the base model
+        (a served model name, or no name). Raises APIError 404 for any other name."""
+        if model is None or model in self.settings.served_model_names:
+            return None
+        get = getattr(self.llm, "get_lora", None)
+        lora = get(model) if get is not None else None
+        if lora is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return lora
 
     def admit(self, num_requests: int) -> AsyncEngine:
         """Admission control for generation: 503 while draining/loading, 429 when the waiting queue is full."""

@@ -42,8 +42,10 @@ from ..sample.grammar import GrammarCompiler, SequenceGrammar, grammar_bitmask
 from ..sample.sampler import SampleRow, prompt_logprobs, sample
 from ..sampling_params import SamplingParams
 from .output_processor import OutputProcessor
+from .lora import LoRAManager
+from ..model.lora_checkpoint import LoRAError
 from .scheduler import Scheduler
-from ..sequence import Request, ScheduledSeq, Sequence, SeqStatus
+from ..sequence import LoRARequest, Request, ScheduledSeq, Sequence, SeqStatus
 from ..stats import IterationStats, SchedulerStats
 from ..model.tokenizer import Tokenizer
 from ..spec_decode.decoder import SpecDecoder
@@ -180,8 +182,17 @@ class LLMEngine:
             f" per rank × {tp_size} ranks" if tp_size > 1 else "", self.kv_cache_dtype, max_len, capacity / max_len,
         )
         self.kv = KVCacheManager(self.num_blocks, bs)
+        #: LoRA adapters: the registry and the model's adapter slots (off: max_loras 0)
+        self.lora = LoRAManager(config.max_loras if config.enable_lora else 0, self.runner)
+        for module in config.lora_modules or []:
+            try:
+                self.lora.add(module["name"], module["path"])
+            except LoRAError as exc:
+                self.shutdown()
+                raise LoRAError(f"--lora-modules {module['name']}={module['path']}: {exc}", exc.param,
+                                exc.status) from None
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, self.max_num_batched_tokens,
-                                   config.enable_prefix_caching)
+                                   config.enable_prefix_caching, lora=self.lora)
         self.output = OutputProcessor(self.tokenizer, self.scheduler, config)
         self.requests: dict[str, Request] = {}
         self._pending: list[RequestOutput] = []
@@ -228,7 +239,9 @@ class LLMEngine:
         return SchedulerStats(
             num_running=len(running), num_waiting=len(waiting), kv_cache_usage=pool.usage,
             num_blocks_total=pool.num_blocks, num_blocks_free=pool.num_free_blocks,
-            num_blocks_cached=pool.num_cached_blocks,
+            num_blocks_cached=pool.num_cached_blocks, max_lora=self.lora.max_loras,
+            running_lora_adapters=tuple(self.lora.names_in(self.scheduler.running)),
+            waiting_lora_adapters=tuple(self.lora.names_in(self.scheduler.waiting)),
         )
 
     @property
@@ -249,8 +262,9 @@ class LLMEngine:
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    add_special_tokens: bool = True) -> None:
-        """Validate and queue a request.
+                    add_special_tokens: bool = True, lora_request: LoRARequest | None = None) -> None:
+        """Validate and queue a request; ``lora_request`` (``add_lora``'s result, or ``get_lora(name)``)
+        runs it with that adapter.
 
         Raises:
             InvalidRequestError: duplicate id, empty prompt, token ids outside the vocabulary, bad params, n above
@@ -258,6 +272,8 @@ class LLMEngine:
             PromptTooLongError: prompt + max_tokens > max_model_len, or a prompt the pool can never hold.
         """
         params = params if params is not None else SamplingParams()
+        if lora_request is not None and self.lora.get(lora_request.name) != lora_request:
+            raise InvalidRequestError(f"LoRA adapter {lora_request.name!r} is not loaded", param="model")
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use", param="request_id")
         params.validate()
@@ -303,7 +319,7 @@ class LLMEngine:
             )
         now = time.monotonic()
         req = Request(request_id, text, ids, params, arrival_time if arrival_time is not None else now,
-                      max_tokens, cache_salt)
+                      max_tokens, cache_salt, lora_request)
         leader = self._new_sequence(req, 0, ids)
         self.requests[request_id] = req
         self.scheduler.add(leader)
@@ -344,6 +360,22 @@ class LLMEngine:
                     seq.finish_reason = "abort"
             req.metrics.finished_time = time.monotonic()
             self._pending.append(self.output.make_output(req))
+
+    # --- LoRA adapters -------------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> LoRARequest:
+        """Load the PEFT adapter at ``path`` under ``name`` (engine thread). Raises LoRAError (HTTP 400 /
+        404: LoRA off, name taken, a bad or missing adapter)."""
+        return self.lora.add(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload adapter ``name``: requests already queued finish with it. Raises LoRAError (404)."""
+        self.lora.remove(name)
+
+    def get_lora(self, name: str) -> LoRARequest | None:
+        return self.lora.get(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.lora.adapters.values())
 
     # --- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -386,9 +418,11 @@ class LLMEngine:
             return outputs
         scheduled, copies, drafts = sched.scheduled, sched.copies, {}
         self._count_scheduled(scheduled, it)
+        self.lora.before_forward()  # hook: adapters newly given a slot are loaded into it
         if self.spec is not None:  # hook: reserve draft slots, fill them with drafts
             drafts, copies = self.spec.before_forward(sched, self.scheduler, self.kv, self.runner)
-        batch = self.runner.execute([s.span(self.kv.block_ids(s.seq.seq_id)) for s in scheduled], copies)
+        batch = self.runner.execute([s.span(self.kv.block_ids(s.seq.seq_id), self.lora.slot(s.seq))
+                                     for s in scheduled], copies)
         for block in sched.pinned:  # partial prefix hits' sources, pinned until their copies ran
             self.kv.pool.decref(block)
         samplers = [i for i, s in enumerate(scheduled) if s.samples and not s.draft_ids]  # drafted rows: verify

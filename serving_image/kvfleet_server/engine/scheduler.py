@@ -9,7 +9,9 @@ budget (``max_num_batched_tokens``) per step:
    when the pool cannot supply a block, the most recently arrived running sequence is preempted
    (blocks freed, requeued at the front of the waiting queue, recomputed later);
 2. then waiting sequences in order, as long as budget, ``max_num_seqs`` and free blocks allow
-   (a waiting sequence never preempts a running one).
+   (a waiting sequence never preempts a running one); a sequence whose LoRA adapter can get no slot
+   (``LoRAManager.acquire``: every ``--max-loras`` slot is held by other adapters' running sequences)
+   is skipped, keeping its place, and the ones behind it may go first (vLLM's rule).
 
 A sequence samples a token in a step when that step computes its last known token. Speculative decoding
 reserves draft slots afterwards from what is left of the budget (``SpecDecoder.reserve``).
@@ -21,6 +23,7 @@ import bisect
 from collections import deque
 
 from .kv_cache import KVCacheManager
+from .lora import LoRAManager
 from ..sequence import ScheduledSeq, SchedulerOutput, Sequence, SeqStatus
 
 
@@ -28,8 +31,9 @@ class Scheduler:
     """Decides, each step, which sequences compute how many tokens (see module docstring)."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_caching: bool, partial_block_matching: bool = True):
+                 enable_prefix_caching: bool, partial_block_matching: bool = True, lora: LoRAManager | None = None):
         self.kv = kv
+        self.lora = lora or LoRAManager()
         self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -48,6 +52,7 @@ class Scheduler:
     def add_running(self, seq: Sequence) -> None:
         """A forked child joins the running set directly (its blocks are shared with its parent)."""
         seq.status = SeqStatus.RUNNING
+        self.lora.acquire(seq)  # its parent holds the adapter's slot: never refused
         bisect.insort(self.running, seq, key=Sequence.arrival_key)
 
     def remove(self, seq: Sequence) -> None:
@@ -59,6 +64,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass
+        self.lora.release(seq)
         self.kv.free(seq.seq_id)
 
     def has_unfinished(self) -> bool:
@@ -67,6 +73,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free(seq.seq_id)
+        self.lora.release(seq)
         seq.num_computed_tokens = 0
         seq.num_draft_computed = 0
         seq.num_published_blocks = 0
@@ -147,12 +154,16 @@ class Scheduler:
 
         if out.preempted:
             return out
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             req = seq.request
             seats = 1 if req.forked else req.params.n
             if len(self.running) + seats > self.max_num_seqs:
                 break
+            if not self.lora.acquire(seq):  # its adapter can get no slot now: keep its place, try the next
+                skipped.append(self.waiting.popleft())
+                continue
             cached, pcopy, pinned = 0, None, None
             # prompt_logprobs need logits at every prompt position: such requests skip the cache lookup
             if (self.enable_prefix_caching and req.params.prompt_logprobs is None
@@ -161,10 +172,11 @@ class Scheduler:
             seq.num_computed_tokens = cached
             num_new = min(seq.num_uncomputed, budget)
             copies = self.kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, num_new)
-            if copies is None:  # give the prefix hits back; retry next step
+            if copies is None:  # give the prefix hits and the adapter slot back; retry next step
                 if pinned is not None:
                     self.kv.pool.decref(pinned)
                 self.kv.free(seq.seq_id)
+                self.lora.release(seq)
                 seq.num_computed_tokens = 0
                 break
             if self.enable_prefix_caching and req.params.prompt_logprobs is None and not seq.num_output_tokens:
@@ -181,4 +193,5 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_new))
             out.copies.extend(copies)
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return out

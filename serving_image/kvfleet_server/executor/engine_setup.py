@@ -76,8 +76,9 @@ def graphs_wanted(config: EngineConfig, device: torch.device, backend, tp: TPGro
     captured (the Triton one), one rank (the all-reduce of tensor parallelism is not captured)."""
     if device.type != "cuda" or config.enforce_eager:
         return False
-    if not backend.supports_cuda_graphs or tp.is_parallel:
+    if not backend.supports_cuda_graphs or tp.is_parallel or config.enable_lora:
         logger.info("CUDA graphs off: %s", "tensor parallelism" if tp.is_parallel else
+                    "LoRA (each step groups rows by adapter in Python)" if config.enable_lora else
                     f"the {backend.name} attention backend cannot be captured")
         return False
     return True
@@ -171,6 +172,8 @@ def size_kv_pool(config: EngineConfig, model, tp: TPGroup, device: str | None = 
             f"needs {per_token * bs} bytes"
         )
     runner = ModelRunner(model, num_blocks, bs, device, dtype, backend, kv_dtype)
+    if config.enable_lora:
+        runner.enable_lora(config.max_loras, config.max_lora_rank, config.resolved_max_cpu_loras())
     if sizes:  # after the pool is allocated: the graphs address its tensors
         runner.graphs = DecodeGraphs(runner, sizes, min(max_blocks_per_seq(model, bs), num_blocks))
         runner.graphs.capture()

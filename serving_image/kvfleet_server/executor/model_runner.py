@@ -16,7 +16,8 @@ broadcasts the method's name and arguments to the other ranks (``workers.py`` ha
 ``serve``), then runs it itself; without tensor parallelism ``call`` is a plain method call. The methods
 every rank runs are ``COLLECTIVE``: ``run`` (a step, or a layer_skip draft pass), ``copy_blocks``
 (copy-on-write the drafters need before the step), ``row_logits`` (logits of rows that were not computed
-with the step) and ``probe`` (the all-reduce benchmark).
+with the step), ``probe`` (the all-reduce benchmark), and for LoRA ``load_lora`` (an adapter into a slot:
+each rank reads its own shard, through its own host-memory LRU) and ``forget_lora``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import torch
 from ..attention import AttentionBackend, AttentionMetadata, DecodeGroup, PrefillSpan
 from ..attention.kv_quant import HEADROOM, hadamard, is_fp8
 from ..distributed import TPGroup
+from ..model.layers.lora import LoRAMapping, attach_lora, set_adapter
+from ..model.lora_checkpoint import AdapterCache
 from ..sequence import TokenSpan
 
 logger = logging.getLogger("kvfleet.engine")
@@ -43,7 +46,7 @@ _MIN_GROUP = 4
 _MAX_GROUP = 16
 
 #: the runner methods every rank runs when rank 0 ``call``s them (the tensor-parallel message vocabulary)
-COLLECTIVE = frozenset({"run", "copy_blocks", "row_logits", "probe"})
+COLLECTIVE = frozenset({"run", "copy_blocks", "row_logits", "probe", "load_lora", "forget_lora"})
 
 
 def zeroed_cpu_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -102,6 +105,7 @@ class StepInputs:
             and every row of a span that verifies drafts (under tensor parallelism a decode step then
             needs no second broadcast).
         num_layers: run only the first L decoder layers (the layer_skip drafter's pass); None: all.
+        lora_slots: [T] each row's LoRA adapter slot (−1: the base model).
     """
 
     input_ids: list[int]
@@ -112,6 +116,7 @@ class StepInputs:
     copies: list[tuple[int, int]] = field(default_factory=list)
     logit_rows: list[int] = field(default_factory=list)
     num_layers: int | None = None
+    lora_slots: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -130,6 +135,10 @@ class ModelRunner:
         self.backend = backend
         #: decode CUDA graphs (executor/cuda_graphs.py), set up by engine_setup after the pool exists
         self.graphs = None
+        #: rows → LoRA slots of the current pass (stays empty without --enable-lora: ``enable_lora``)
+        self.lora_mapping = LoRAMapping(self.device)
+        #: adapters in host memory (--max-cpu-loras; None without --enable-lora)
+        self.adapters: AdapterCache | None = None
         shape = (num_blocks, block_size, model.shard.num_kv_heads, cfg.head_dim)
         ckpt_scales = getattr(model, "kv_cache_scales", {}) or {}
         self._kv_calibration_pending = is_fp8(kv_dtype) and len(ckpt_scales) < cfg.num_hidden_layers
@@ -237,7 +246,10 @@ class ModelRunner:
             if sp.logits is not None:
                 first, n = chunk_rows[i] if sp.logits == "all" else (last_row[i], 1)
                 logit_rows.extend(range(first, first + n))
-        inputs = StepInputs(ids, pos, slots, groups, prefills, list(copies), logit_rows, num_layers)
+        lora_slots = [spans[i].lora_slot for i in dec]
+        for i in pre:
+            lora_slots += [spans[i].lora_slot] * len(spans[i].token_ids)
+        inputs = StepInputs(ids, pos, slots, groups, prefills, list(copies), logit_rows, num_layers, lora_slots)
         return inputs, last_row, chunk_rows
 
     def call(self, method: str, *args):
@@ -255,6 +267,7 @@ class ModelRunner:
         ``inputs.logit_rows`` (kept in ``self.step_logits`` on rank 0; None when the list is empty).
         """
         self.copy_blocks(inputs.copies)
+        self.lora_mapping.set(inputs.lora_slots)
         if self.graphs is not None and self.graphs.can_run(inputs):  # decode-only: replay a CUDA graph
             hidden = self.graphs.run(inputs)
         else:
@@ -338,6 +351,22 @@ class ModelRunner:
     def row_logits(self, rows: list[int]) -> torch.Tensor | None:
         """Logits of rows ``rows`` of the last pass's hidden states (every rank; None off rank 0)."""
         return self.model.compute_logits(self.last_hidden[torch.tensor(rows, dtype=torch.long, device=self.device)])
+
+    def enable_lora(self, max_loras: int, max_rank: int, max_cpu_loras: int) -> None:
+        """Give the model's projections ``max_loras`` adapter slots of rank ``max_rank`` and keep up to
+        ``max_cpu_loras`` adapters in host memory (every rank, at start-up)."""
+        self.lora_mapping = attach_lora(self.model, max_loras, max_rank, self.dtype, self.device)
+        self.adapters = AdapterCache(max_cpu_loras, self.model.config, max_rank)
+
+    def load_lora(self, slot: int, name: str, path: str) -> None:
+        """Slot ``slot`` := adapter ``name`` (from the host-memory LRU, or read from ``path``). Collective.
+        Raises LoRAError (``model/lora_checkpoint.py``)."""
+        set_adapter(self.model, slot, self.adapters.get(name, path))
+
+    def forget_lora(self, name: str) -> None:
+        """Drop adapter ``name`` from the host-memory LRU (unloaded; its slot is emptied by the engine's
+        next ``load_lora`` into it). Collective."""
+        self.adapters.forget(name)
 
     def probe_all_reduce(self, rows: int, iters: int = 20) -> float:
         """Seconds per all-reduce of a [rows, hidden] activation when every rank is idle (no waiting on a

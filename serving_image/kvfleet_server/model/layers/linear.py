@@ -1,4 +1,5 @@
-"""The one ``Linear`` of kvfleet's models: y = x Wᵀ + b with W stored however its ``QuantMethod`` says.
+"""The one ``Linear`` of kvfleet's models: y = x Wᵀ + b with W stored however its ``QuantMethod`` says,
+plus, with --enable-lora, each row's adapter delta (``lora.py``).
 
 Shape after vLLM's ``LinearBase`` + ``LinearMethodBase`` (vllm/model_executor/layers/linear.py):
 the layer knows its logical sizes and its fused output shards (q/k/v, gate/up); the quant method
@@ -106,6 +107,8 @@ class Linear(nn.Module):
         self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         self.output_size = sum(self.output_sizes)
         self.prefix = prefix
+        #: LoRA adapter slots (``layers/lora.py``: ``attach_lora``; None without --enable-lora)
+        self.lora = None
         self.quant_method = quant_method or UnquantizedLinearMethod()
         dtype = params_dtype or torch.get_default_dtype()
         self.quant_method.create_weights(self, input_size, self.output_sizes, dtype)
@@ -163,10 +166,15 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, input_size (this rank's)] → [T, output_size (this rank's; the full output for a
-        row-parallel layer, summed over the ranks)]."""
-        if self.row_slice is None or self.tp is None or not self.tp.is_parallel:
-            return self.quant_method.apply(self, x, self.bias)
-        y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
+        row-parallel layer, summed over the ranks)], plus each row's LoRA delta (``self.lora``), added
+        before the row-parallel all-reduce so that it sums the ranks' partial deltas too."""
+        reduce = self.row_slice is not None and self.tp is not None and self.tp.is_parallel
+        y = self.quant_method.apply(self, x, None if reduce else self.bias)
+        if self.lora is not None:
+            y = self.lora.apply(x, y)
+        if not reduce:
+            return y
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

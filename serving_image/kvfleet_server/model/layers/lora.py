@@ -1,0 +1,152 @@
+"""Multi-LoRA for the one ``Linear``: every row of a batch applies its own adapter (or none).
+
+Punica's semantics (Chen et al. 2023, "Punica: Multi-Tenant LoRA Serving"; vLLM's ``PunicaWrapper``):
+y[t] += scale·(x[t] A[s]ᵀ) B[s]ᵀ with s = the slot of row t's adapter, a *shrink* (x Aᵀ: [T, in] → [T, r])
+then an *expand* (· Bᵀ: [T, r] → [T, out]); rows of the base model (slot −1) are left alone.
+
+Each LoRA-enabled ``Linear`` holds ``LoRAWeights``: ``max_loras`` slots of A [n_shards·R, in] and
+B [out, n_shards·R] (R = --max-lora-rank; a fused Linear's shards — q/k/v, gate/up — each have their own
+rank block, so B is block diagonal; a smaller r is zero-padded; the scale is folded into B). Tensor
+parallelism follows the base weight: a column-parallel Linear keeps its rows of B, a row-parallel one its
+columns of A, and its partial LoRA product is summed by the Linear's own all-reduce (the sum over ranks of
+x_r A_rᵀ is x Aᵀ).
+
+All LoRA Linears of a model share one ``LoRAMapping``: the step's row → slot map, set once per step by the
+runner, grouped into segments (slot, rows) once. ``apply`` (the fast path, SGMV-like) runs one shrink and
+one expand per adapter present in the batch — a Python loop over adapters, never over rows — and
+``lora_reference`` (BGMV-like: every row gathers its own A and B) is the oracle the tests compare with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..lora_checkpoint import TARGET_MODULES, LoRAAdapter
+from .linear import narrow_padded
+
+
+class LoRAMapping:
+    """The step's rows → adapter slots, shared by every LoRA ``Linear`` of a model.
+
+    ``segments``: (slot, rows) per slot present — rows None when every row uses that slot, else an int64
+    index tensor [n]; base-model rows (slot −1) are in no segment."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.segments: list[tuple[int, torch.Tensor | None]] = []
+        self.token_slots: torch.Tensor | None = None
+
+    def set(self, token_slots: list[int]) -> None:
+        """Row t of the next passes uses slot ``token_slots[t]`` (−1: the base model); an empty list: every
+        row is the base model's."""
+        self.segments = []
+        self.token_slots = None
+        if not token_slots or max(token_slots) < 0:
+            return
+        slots = torch.tensor(token_slots, dtype=torch.long, device=self.device)
+        self.token_slots = slots
+        present = sorted(set(token_slots) - {-1})
+        if len(present) == 1 and min(token_slots) >= 0:
+            self.segments = [(present[0], None)]
+            return
+        for s in present:
+            self.segments.append((s, (slots == s).nonzero().flatten()))
+
+
+class LoRAWeights:
+    """``max_loras`` adapter slots of one Linear (see the module docstring for the layout).
+
+    Attributes:
+        a: [max_loras, n_shards·R, in_local] in the model dtype.
+        b: [max_loras, out_local, n_shards·R] in the model dtype, scale folded in.
+        mapping: the model's shared ``LoRAMapping``.
+    """
+
+    def __init__(self, linear, max_loras: int, max_rank: int, mapping: LoRAMapping, dtype: torch.dtype,
+                 device: torch.device):
+        self.linear = linear
+        self.max_rank = max_rank
+        self.mapping = mapping
+        n = len(linear.output_sizes)
+        self.a = torch.zeros(max_loras, n * max_rank, linear.input_size, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, linear.output_size, n * max_rank, dtype=dtype, device=device)
+
+    def set_slot(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> None:
+        """Slot ``slot`` := the adapter's (A [r, in], B [out, r]) of each output shard (None: that shard has
+        no LoRA), full checkpoint sizes: this rank's part is cut here (``Linear.tp_slice``)."""
+        lin, R = self.linear, self.max_rank
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for i, ab in enumerate(shards):
+            if ab is None:
+                continue
+            A, B = ab
+            r = A.shape[0]
+            if lin.row_slice is not None:  # row-parallel: this rank's input columns
+                A = A.narrow(1, *lin.row_slice)
+            if lin.column_slices is not None:  # column-parallel: this rank's output rows of the shard
+                B = narrow_padded(B, 0, *lin.column_slices[i])
+            first, rows = lin.shard_offset(i)
+            self.a[slot, i * R : i * R + r] = A.to(self.a.dtype)
+            self.b[slot, first : first + rows, i * R : i * R + r] = (B.float() * scale).to(self.b.dtype)
+
+    def clear_slot(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    @torch.compiler.disable
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [T, out] + each row's adapter delta for x [T, in] (rows of the base model unchanged)."""
+        return lora_apply(x, y, self.a, self.b, self.mapping.segments)
+
+
+def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               segments: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
+    """The fast path: per adapter present, shrink then expand over its rows only (SGMV's grouping).
+
+    x [T, in], y [T, out] (updated in place and returned), a [S, n·R, in], b [S, out, n·R],
+    segments from ``LoRAMapping``."""
+    for slot, rows in segments:
+        if rows is None:
+            y.addmm_(x @ a[slot].t(), b[slot].t())
+        else:
+            y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].t()) @ b[slot].t())
+    return y
+
+
+def lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                   token_slots: torch.Tensor) -> torch.Tensor:
+    """The oracle (BGMV's per-row gather): y + per row t with slot s ≥ 0, (x[t] a[s]ᵀ) b[s]ᵀ, in float32.
+    Returns a new [T, out] float32 tensor."""
+    s = token_slots.clamp(min=0)
+    on = (token_slots >= 0).float()[:, None]
+    shrink = torch.einsum("ti,tri->tr", x.float(), a[s].float())
+    return y.float() + on * torch.einsum("tr,tor->to", shrink, b[s].float())
+
+
+def attach_lora(model, max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device | str
+                ) -> LoRAMapping:
+    """Give every decoder projection of ``model`` (LlamaForCausalLM) ``max_loras`` LoRA slots of rank
+    ``max_rank`` in ``dtype`` (the activations' dtype) on ``device``; returns the shared mapping (also
+    ``model.lora_mapping``)."""
+    mapping = LoRAMapping(device)
+    for layer in model.layers:
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            lin = getattr(layer, name)
+            lin.lora = LoRAWeights(lin, max_loras, max_rank, mapping, dtype, torch.device(device))
+    model.lora_mapping = mapping
+    return mapping
+
+
+def set_adapter(model, slot: int, adapter: LoRAAdapter | None) -> None:
+    """Slot ``slot`` of every LoRA Linear := ``adapter``'s weights (None: empty)."""
+    groups: dict[str, list[str]] = {}
+    for module, (linear, shard) in TARGET_MODULES.items():
+        groups.setdefault(linear, []).append(module)
+    for i, layer in enumerate(model.layers):
+        for linear, modules in groups.items():
+            lora = getattr(layer, linear).lora
+            if adapter is None:
+                lora.clear_slot(slot)
+            else:
+                lora.set_slot(slot, [adapter.weights.get((i, m)) for m in modules], adapter.scale)
