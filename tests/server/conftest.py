@@ -3,6 +3,7 @@ real SmolLM2-135M-Instruct GGUF (module-scoped where used)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -39,6 +40,25 @@ def hf_tokenizer_dir(tmp_path_factory, gguf_path):
     tok.chat_template = TINY_CHAT_TEMPLATE
     tok.save_pretrained(d)
     return str(d)
+
+
+@pytest.fixture(scope="session")
+def smollm2_f32_dir(tmp_path_factory, gguf_path):
+    """The bundled SmolLM2-135M-Instruct dequantized by transformers to a float32 safetensors directory."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, f = os.path.dirname(gguf_path), os.path.basename(gguf_path)
+    out = str(tmp_path_factory.mktemp("smollm2_f32"))
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)  # the weights are dequantized: a plain float32 checkpoint
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    save_file(state, os.path.join(out, "model.safetensors"))
+    AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="session")

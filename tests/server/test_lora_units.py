@@ -9,14 +9,22 @@ import os
 import pytest
 import torch
 
-from kvfleet_server.model.layers.lora import LoRAMapping, lora_apply, lora_reference
+from kvfleet_server.model.layers.lora import LoRAMapping, lora_apply, lora_apply_grouped, lora_reference
 from kvfleet_server.model.lora_checkpoint import AdapterCache, LoRAError, load_adapter
 from kvfleet_server.sequence import LoRARequest, Request, hash_block_tokens
 from kvfleet_server.sampling_params import SamplingParams
 from lora_helpers import make_adapter
 
 
-@pytest.mark.parametrize("seed", range(6))
+def test_many_adapters_take_the_grouped_path():
+    m = LoRAMapping()
+    m.set([i % 16 for i in range(32)])
+    assert m.grouped is not None and m.grouped[1].shape == (32,)
+    m.set([0] * 30 + [1, 2])  # one adapter dominates: padding would waste most rows
+    assert m.grouped is None and len(m.segments) == 3
+
+
+@pytest.mark.parametrize("seed", range(8))
 def test_fast_path_equals_the_reference(seed):
     """Random shapes, ranks 1–64, mixed slots including the base model (−1), every slot or one."""
     g = torch.Generator().manual_seed(seed)
@@ -28,13 +36,19 @@ def test_fast_path_equals_the_reference(seed):
     b = torch.randn(S, fan_out, R, generator=g)
     x = torch.randn(T, fan_in, generator=g)
     y = torch.randn(T, fan_out, generator=g)
-    choices = [[-1] * T, [S - 1] * T, torch.randint(-1, S, (T,), generator=g).tolist()]
+    balanced = [i % S for i in range(T)]  # every adapter present, evenly: the grouped path when S >= 3
+    choices = [[-1] * T, [S - 1] * T, torch.randint(-1, S, (T,), generator=g).tolist(), balanced,
+               [-1 if i % 3 == 0 else s for i, s in enumerate(balanced)]]
     for slots in choices:
         mapping = LoRAMapping()
         mapping.set(slots)
         want = lora_reference(x, y, a, b, torch.tensor(slots))
-        got = lora_apply(x, y.clone(), a, b, mapping.segments)
+        got = (lora_apply_grouped(x, y.clone(), a, b, *mapping.grouped) if mapping.grouped is not None
+               else lora_apply(x, y.clone(), a, b, mapping.segments))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        # both layouts compute the same: the per-adapter loop over the grouped mapping's rows
+        segments = [(s, torch.tensor([t for t, v in enumerate(slots) if v == s])) for s in sorted(set(slots) - {-1})]
+        torch.testing.assert_close(lora_apply(x, y.clone(), a, b, segments), want, rtol=1e-5, atol=1e-4)
     # a deliberately wrong fast path (every row given slot 0) is caught by the same comparison
     slots = [s if s != 0 else 1 for s in choices[2]] if S > 1 else [0] * T
     mapping = LoRAMapping()
@@ -106,9 +120,10 @@ def test_bad_adapters_are_refused_naming_the_field(tmp_path, model_cfg, case, fi
 def test_host_cache_keeps_the_most_recent(tmp_path, model_cfg):
     paths = [make_adapter(str(tmp_path / f"a{i}"), _Cfg, seed=i) for i in range(3)]
     cache = AdapterCache(2, model_cfg, 16)
+    loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(paths)]
     for i in (0, 1, 0, 2):
-        cache.get(f"a{i}", paths[i])
-    assert "a0" in cache and "a2" in cache and "a1" not in cache
+        cache.get(loras[i])
+    assert cache.names() == ["a0", "a2"]
 
 
 class _Runner:
@@ -116,7 +131,7 @@ class _Runner:
         self.calls = []
         self.adapters = self
 
-    def get(self, key, path):
+    def get(self, lora):
         return None
 
     def call(self, method, *args):

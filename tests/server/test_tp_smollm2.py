@@ -4,16 +4,12 @@ preemption (a KV pool smaller than the batch needs) and prefix-cache hits (a sha
 with n-gram speculation at TP = 3 too.
 
 The float32 weights are transformers' dequantization of the bundled GGUF saved as safetensors (dense
-float32 matmuls keep the test fast); the packed-GGUF path at TP = 3 is checked on fewer tokens below.
+float32 matmuls keep the test fast; conftest's ``smollm2_f32_dir``); the packed-GGUF path at TP = 3 is checked on fewer tokens below.
 Ranks 1 and 2 are real worker processes (gloo), one intra-op thread each."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
-import torch
 
 from kvfleet_server import EngineConfig, LLMEngine, SamplingParams
 
@@ -28,24 +24,6 @@ QUESTIONS = ["What is the capital of France?", "Name a prime number above 50.", 
              "What is 12 times 12?", "Describe autumn in five words."]
 KV_BLOCKS = 40  # the 16 requests need ~96 blocks at once: the scheduler must preempt
 BLOCK_BYTES_TP1 = 16 * 2 * 30 * 3 * 64 * 4  # 16 tokens × K+V × 30 layers × 3 KV heads × 64 × float32
-
-
-@pytest.fixture(scope="module")
-def smollm2_f32_dir(tmp_path_factory, gguf_path):
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    d, f = os.path.dirname(gguf_path), os.path.basename(gguf_path)
-    out = str(tmp_path_factory.mktemp("smollm2_f32"))
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)  # the weights are dequantized: a plain float32 checkpoint
-    with open(os.path.join(out, "config.json"), "w") as fh:
-        json.dump(cfg, fh)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
-    save_file(state, os.path.join(out, "model.safetensors"))
-    AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
-    return out
 
 
 def generate(model: str, tp: int, prompts: list[str], max_tokens: int, kv_blocks: int, spec: dict | None = None,

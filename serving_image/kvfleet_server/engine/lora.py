@@ -50,7 +50,7 @@ class LoRAManager:
         if name in self.adapters:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         req = LoRARequest(name, next(self._ids), path)
-        self.runner.adapters.get(self.key(req), path)  # validates; rank 0's host copy
+        self.runner.adapters.get(req)  # validates; rank 0's host copy
         self.adapters[name] = req
         return req
 
@@ -60,7 +60,7 @@ class LoRAManager:
         if name not in self.adapters:
             raise LoRAError(f"The lora adapter '{name}' cannot be found.", param="lora_name", status=404)
         req = self.adapters.pop(name)
-        self.runner.call("forget_lora", self.key(req))
+        self.runner.call("forget_lora", req)
         for slot, held in enumerate(self.slots):
             if held == req and not self._refs[slot]:
                 self.slots[slot] = None
@@ -105,19 +105,12 @@ class LoRAManager:
         idle = [s for s in range(self.max_loras) if not self._refs[s]]
         return min(idle, key=lambda s: self._last_used.get(s, -1)) if idle else None
 
-    @staticmethod
-    def key(lora: LoRARequest) -> str:
-        """The adapter's key in the runners' host-memory LRU: its name and id (a name loaded again from
-        another path is another adapter)."""
-        return f"{lora.name}#{lora.lora_int_id}"
-
     # --- the step's hook -----------------------------------------------------------------------
     def before_forward(self) -> None:
         """Load the adapters given a slot since the last pass into their slots (every rank)."""
         pending, self._pending = self._pending, []
         for slot in dict.fromkeys(pending):
-            lora = self.slots[slot]
-            self.runner.call("load_lora", slot, self.key(lora), lora.path)
+            self.runner.call("load_lora", slot, self.slots[slot])
 
     # --- metrics -------------------------------------------------------------------------------
     def names_in(self, seqs) -> list[str]:

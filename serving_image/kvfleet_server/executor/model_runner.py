@@ -33,7 +33,7 @@ from ..attention.kv_quant import HEADROOM, hadamard, is_fp8
 from ..distributed import TPGroup
 from ..model.layers.lora import LoRAMapping, attach_lora, set_adapter
 from ..model.lora_checkpoint import AdapterCache
-from ..sequence import TokenSpan
+from ..sequence import LoRARequest, TokenSpan
 
 logger = logging.getLogger("kvfleet.engine")
 
@@ -358,15 +358,15 @@ class ModelRunner:
         self.lora_mapping = attach_lora(self.model, max_loras, max_rank, self.dtype, self.device)
         self.adapters = AdapterCache(max_cpu_loras, self.model.config, max_rank)
 
-    def load_lora(self, slot: int, name: str, path: str) -> None:
-        """Slot ``slot`` := adapter ``name`` (from the host-memory LRU, or read from ``path``). Collective.
+    def load_lora(self, slot: int, lora: LoRARequest) -> None:
+        """Slot ``slot`` := adapter ``lora`` (from the host-memory LRU, or read from its path). Collective.
         Raises LoRAError (``model/lora_checkpoint.py``)."""
-        set_adapter(self.model, slot, self.adapters.get(name, path))
+        set_adapter(self.model, slot, self.adapters.get(lora))
 
-    def forget_lora(self, name: str) -> None:
-        """Drop adapter ``name`` from the host-memory LRU (unloaded; its slot is emptied by the engine's
-        next ``load_lora`` into it). Collective."""
-        self.adapters.forget(name)
+    def forget_lora(self, lora: LoRARequest) -> None:
+        """Drop adapter ``lora`` from the host-memory LRU (unloaded; the engine reuses its slot once no
+        sequence holds it). Collective."""
+        self.adapters.forget(lora)
 
     def probe_all_reduce(self, rows: int, iters: int = 20) -> float:
         """Seconds per all-reduce of a [rows, hidden] activation when every rank is idle (no waiting on a

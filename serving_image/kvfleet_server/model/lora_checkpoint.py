@@ -174,21 +174,24 @@ class AdapterCache:
         self.capacity = max(1, capacity)
         self.cfg = cfg
         self.max_rank = max_rank
-        self._adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()
+        self._adapters: OrderedDict[tuple[str, int], LoRAAdapter] = OrderedDict()
 
-    def get(self, name: str, path: str) -> LoRAAdapter:
-        """The adapter ``name`` (read from ``path`` on a miss). Raises LoRAError."""
-        adapter = self._adapters.get(name)
+    def get(self, lora) -> LoRAAdapter:
+        """The adapter of ``lora`` (a ``sequence.LoRARequest``; read from its path on a miss), keyed by its
+        name and id: a name loaded again from another path is another adapter. Raises LoRAError."""
+        key = (lora.name, lora.lora_int_id)
+        adapter = self._adapters.get(key)
         if adapter is None:
-            adapter = load_adapter(name, path, self.cfg, self.max_rank)
-            self._adapters[name] = adapter
+            adapter = load_adapter(lora.name, lora.path, self.cfg, self.max_rank)
+            self._adapters[key] = adapter
             while len(self._adapters) > self.capacity:
                 self._adapters.popitem(last=False)
-        self._adapters.move_to_end(name)
+        self._adapters.move_to_end(key)
         return adapter
 
-    def forget(self, name: str) -> None:
-        self._adapters.pop(name, None)
+    def forget(self, lora) -> None:
+        self._adapters.pop((lora.name, lora.lora_int_id), None)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._adapters
+    def names(self) -> list[str]:
+        """Names of the adapters held, least recently used first."""
+        return [name for name, _ in self._adapters]

@@ -25,32 +25,60 @@ from ..lora_checkpoint import TARGET_MODULES, LoRAAdapter
 from .linear import narrow_padded
 
 
+#: the grouped path (one batched shrink and expand over every adapter present) is taken when at least
+#: this many adapters are present and padding each adapter's rows to the largest group at most doubles
+#: the rows; otherwise one shrink and expand per adapter (few adapters, or a prefill dominated by one)
+GROUPED_MIN_ADAPTERS = 3
+
+
 class LoRAMapping:
     """The step's rows → adapter slots, shared by every LoRA ``Linear`` of a model.
 
-    ``segments``: (slot, rows) per slot present — rows None when every row uses that slot, else an int64
-    index tensor [n]; base-model rows (slot −1) are in no segment."""
+    Two layouts of the same mapping (``set`` picks one):
+
+    - ``segments``: (slot, rows) per slot present — rows None when every row uses that slot, else an int64
+      index tensor [n]; base-model rows (slot −1) are in no segment;
+    - ``grouped``: (first slot, gather [G·M], mask [G, M, 1]) for the slots first..first+G−1, each given M
+      rows (its rows, padded with row 0 whose results the mask zeroes): one batched shrink and expand.
+    """
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self.segments: list[tuple[int, torch.Tensor | None]] = []
+        self.grouped: tuple[int, torch.Tensor, torch.Tensor] | None = None
         self.token_slots: torch.Tensor | None = None
 
     def set(self, token_slots: list[int]) -> None:
         """Row t of the next passes uses slot ``token_slots[t]`` (−1: the base model); an empty list: every
         row is the base model's."""
         self.segments = []
+        self.grouped = None
         self.token_slots = None
         if not token_slots or max(token_slots) < 0:
             return
         slots = torch.tensor(token_slots, dtype=torch.long, device=self.device)
         self.token_slots = slots
-        present = sorted(set(token_slots) - {-1})
-        if len(present) == 1 and min(token_slots) >= 0:
-            self.segments = [(present[0], None)]
+        rows: dict[int, list[int]] = {}
+        for t, s in enumerate(token_slots):
+            if s >= 0:
+                rows.setdefault(s, []).append(t)
+        if len(rows) == 1 and len(next(iter(rows.values()))) == len(token_slots):
+            self.segments = [(next(iter(rows)), None)]
             return
-        for s in present:
-            self.segments.append((s, (slots == s).nonzero().flatten()))
+        first, last = min(rows), max(rows)
+        width = max(len(r) for r in rows.values())
+        groups = last - first + 1
+        if len(rows) >= GROUPED_MIN_ADAPTERS and groups * width <= 2 * sum(len(r) for r in rows.values()):
+            gather, mask = [], []
+            for s in range(first, last + 1):
+                r = rows.get(s, [])
+                gather += r + [0] * (width - len(r))
+                mask += [1.0] * len(r) + [0.0] * (width - len(r))
+            self.grouped = (first, torch.tensor(gather, dtype=torch.long, device=self.device),
+                            torch.tensor(mask, device=self.device).view(groups, width, 1))
+            return
+        for s, r in sorted(rows.items()):
+            self.segments.append((s, torch.tensor(r, dtype=torch.long, device=self.device)))
 
 
 class LoRAWeights:
@@ -97,6 +125,9 @@ class LoRAWeights:
     @torch.compiler.disable
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] + each row's adapter delta for x [T, in] (rows of the base model unchanged)."""
+        grouped = self.mapping.grouped
+        if grouped is not None:
+            return lora_apply_grouped(x, y, self.a, self.b, *grouped)
         return lora_apply(x, y, self.a, self.b, self.mapping.segments)
 
 
@@ -112,6 +143,18 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tenso
         else:
             y.index_add_(0, rows, (x.index_select(0, rows) @ a[slot].t()) @ b[slot].t())
     return y
+
+
+def lora_apply_grouped(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: int,
+                       gather: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The fast path for many adapters (BGMV's batching over adapters): slots first..first+G−1, each with
+    M gathered rows, one batched shrink and one batched expand. x [T, in], y [T, out] (updated in place
+    and returned), a [S, n·R, in], b [S, out, n·R], gather [G·M], mask [G, M, 1] (``LoRAMapping``)."""
+    groups, width = mask.shape[0], mask.shape[1]
+    xs = x.index_select(0, gather).view(groups, width, -1)
+    shrink = torch.bmm(xs, a.narrow(0, first, groups).transpose(1, 2)).mul_(mask)
+    delta = torch.bmm(shrink, b.narrow(0, first, groups).transpose(1, 2))
+    return y.index_add_(0, gather, delta.view(groups * width, -1))
 
 
 def lora_reference(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
