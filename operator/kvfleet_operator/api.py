@@ -249,6 +249,16 @@ class EngineConfig(_Model):
         description="Drain time for in-flight requests after SIGTERM (--shutdown-timeout); "
                     "terminationGracePeriodSeconds is derived from it.")
     speculative: SpeculativeConfig | None = Field(default=None, description="Speculative decoding.")
+    max_loras: int | None = Field(
+        default=None, ge=1, le=64,
+        description="LoRA adapters that can run in one batch (--max-loras). Default: the number of "
+                    "spec.adapters, at most 8. Only with spec.adapters.")
+    max_lora_rank: int = Field(default=16, ge=1, le=512,
+                               description="Largest adapter rank r (--max-lora-rank); an adapter of a higher "
+                                           "rank is refused by the server. Only with spec.adapters.")
+    max_cpu_loras: int | None = Field(default=None, ge=1, le=1024,
+                                      description="Adapters kept in host memory (--max-cpu-loras; default: "
+                                                  "maxLoras). Only with spec.adapters.")
     extra_args: list[str] = Field(default_factory=list, max_length=64,
                                   description="Extra flags of the runtime's server (kvfleet-server or vllm "
                                               "serve), appended after the rendered ones (flags rendered from spec "
@@ -483,6 +493,17 @@ class InferencePoolRouting(_Model):
     endpoint_picker: EndpointPicker = Field(default_factory=EndpointPicker, description="The endpoint picker.")
 
 
+class LoRAAdapterSpec(_Model):
+    """One LoRA adapter served beside the base model (docs/lora.md): clients pick it by ``name``."""
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+                      description="The `model` name clients send to use the adapter (listed by /v1/models with "
+                                  "the base model as parent).")
+    uri: str = Field(max_length=1024, description="The PEFT adapter folder (adapter_config.json + "
+                                                  "adapter_model.safetensors): hf://ORG/REPO[@REVISION], "
+                                                  "s3://BUCKET[/PREFIX], pvc://CLAIM/PATH or file:///PATH, "
+                                                  "downloaded and pinned like spec.model.uri.")
+
+
 class Routing(_Model):
     """Cache-aware routing across replicas (docs/routing.md). Unset: the Service spreads requests."""
     inference_pool: InferencePoolRouting | None = Field(
@@ -510,9 +531,15 @@ class InferenceServiceSpec(_Model):
         description="ServiceAccount of the serving pods (e.g. for cloud workload identity to a model bucket). "
                     "Unset: the namespace's default. The pods still mount no API token.")
     routing: Routing = Field(default_factory=Routing, description="Cache-aware routing across replicas.")
+    adapters: list[LoRAAdapterSpec] = Field(
+        default_factory=list, max_length=64,
+        description="LoRA adapters of the base model, each served under its own name (rendered as --enable-lora "
+                    "--lora-modules; status.adapters counts the ready replicas serving each).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
 
     @model_validator(mode="after")
     def _rules(self) -> "InferenceServiceSpec":
+        self._adapter_rules()
         g, tp = self.resources.gpus, self.engine.tensor_parallel_size
         if g is not None and g < tp and not (g == 0 and tp == 1):
             raise ValueError(f"spec.resources.gpus ({g}) must be >= spec.engine.tensorParallelSize ({tp})")
@@ -537,10 +564,35 @@ class InferenceServiceSpec(_Model):
             raise ValueError("spec.modelCache.shared: nothing is downloaded (no hf:// or s3:// uri)")
         return self
 
+    def _adapter_rules(self) -> None:
+        names = set()
+        for i, a in enumerate(self.adapters):
+            model_source.parse(a.uri, f"spec.adapters[{i}].uri", "adapter")
+            if a.name in names:
+                raise ValueError(f"spec.adapters[{i}].name: {a.name!r} is given twice")
+            names.add(a.name)
+        e = self.engine
+        if not self.adapters:
+            set_fields = [f for f, v in (("maxLoras", e.max_loras), ("maxCpuLoras", e.max_cpu_loras)) if v is not None]
+            if set_fields:
+                raise ValueError(f"spec.engine.{set_fields[0]}: needs spec.adapters")
+            return
+        if self.served_model_name in names:
+            raise ValueError(f"spec.adapters: the name {self.served_model_name!r} is the base model's")
+        if e.max_cpu_loras is not None and e.max_cpu_loras < self.max_loras:
+            raise ValueError(f"spec.engine.maxCpuLoras ({e.max_cpu_loras}) must be >= spec.engine.maxLoras "
+                             f"({self.max_loras})")
+
+    @property
+    def max_loras(self) -> int:
+        """--max-loras: engine.maxLoras, or the number of adapters, at most 8."""
+        return self.engine.max_loras or min(len(self.adapters), 8)
+
     def model_uris(self) -> list[str]:
-        """The uris of the model, the draft model and the tokenizer that are set."""
+        """The uris of the model, the draft model, the tokenizer and the adapters that are set."""
         sp = self.engine.speculative
-        return [u for u in (self.model.uri, sp.draft_model if sp else None, self.model.tokenizer) if u]
+        return [u for u in (self.model.uri, sp.draft_model if sp else None, self.model.tokenizer,
+                            *(a.uri for a in self.adapters)) if u]
 
     @property
     def gpus(self) -> int:
@@ -696,6 +748,12 @@ class ModelStatus(_Model):
                                              description="Every downloaded source with its pinned revision.")
 
 
+class AdapterStatus(_Model):
+    """How many ready replicas serve one adapter of spec.adapters."""
+    name: str = Field(description="The adapter's name.", max_length=256)
+    ready_replicas: int = Field(ge=0, description="Ready pods whose server was started with the adapter.")
+
+
 class InferenceServiceStatus(_Model):
     """Observed state, written by the operator through the status subresource."""
     observed_generation: int | None = Field(default=None, ge=0,
@@ -714,3 +772,5 @@ class InferenceServiceStatus(_Model):
     model: ModelStatus | None = Field(default=None, description="Served model name and pinned revisions.")
     autoscaling: AutoscalingStatus | None = Field(default=None, description="The autoscaler's last decision.")
     routing: RoutingStatus | None = Field(default=None, description="The InferencePool and route, with spec.routing.")
+    adapters: list[AdapterStatus] | None = Field(default=None, max_length=64,
+                                                 description="Ready replicas per adapter, with spec.adapters.")

@@ -43,13 +43,14 @@ DOWNLOAD_RESOURCES = {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"
 
 
 def sources(spec: api.InferenceServiceSpec) -> list[Source]:
-    """The model, draft model and tokenizer sources of ``spec`` (one per uri: a tokenizer uri equal to a
-    model's is covered by the model's download)."""
+    """The model, draft model, tokenizer and LoRA adapter sources of ``spec`` (one per uri: a tokenizer uri
+    equal to a model's is covered by the model's download)."""
     out: dict[str, Source] = {}
     sp = spec.engine.speculative
     for uri, fld, role in ((spec.model.uri, "spec.model.uri", "model"),
                            (sp.draft_model if sp else None, "spec.engine.speculative.draftModel", "model"),
-                           (spec.model.tokenizer, "spec.model.tokenizer", "tokenizer")):
+                           (spec.model.tokenizer, "spec.model.tokenizer", "tokenizer"),
+                           *((a.uri, f"spec.adapters[{i}].uri", "adapter") for i, a in enumerate(spec.adapters))):
         if uri and uri not in out:
             out[uri] = model_source.parse(uri, fld, role)
     return list(out.values())

@@ -285,6 +285,9 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     old_routing = (obj.get("status") or {}).get("routing")
     if routed is not None or old_routing is not None:
         new["routing"] = routing_sync.status_value(old_routing, routed)
+    if spec.adapters or (obj.get("status") or {}).get("adapters") is not None:
+        new["adapters"] = pods.adapter_counts([a.name for a in spec.adapters], serving_pods,
+                                              render.ADAPTERS_ANNOTATION) if spec.adapters else None
     written = await _write_status(client, obj, new)
     if error is not None:
         raise error

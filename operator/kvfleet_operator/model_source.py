@@ -1,6 +1,7 @@
 """Pure: model URIs -> what to download, from where, into which folder, and the path kvfleet-server loads.
 
-URIs (``spec.model.uri``, ``spec.engine.speculative.draftModel``, ``spec.model.tokenizer``):
+URIs (``spec.model.uri``, ``spec.engine.speculative.draftModel``, ``spec.model.tokenizer``,
+``spec.adapters[].uri``):
 
 - ``hf://ORG/REPO[@REVISION]`` — a Hugging Face repository (safetensors); REVISION a branch, tag or
   commit (default ``main``), ``refs/pr/N`` included;
@@ -62,8 +63,21 @@ class Pin:
     revision: str
 
 
+ADAPTER_FORMS = "hf://ORG/REPO[@REVISION], s3://BUCKET[/PREFIX], pvc://CLAIM[/PATH] or file:///PATH"
+
+
 def parse(uri: str, field: str, role: str = "model") -> Source:
-    """Parse a model URI. Raises ValueError naming ``field`` and the accepted forms."""
+    """Parse a model URI (``role`` model, tokenizer or adapter: a PEFT LoRA adapter's folder, which is never
+    a .gguf file nor the bundled model). Raises ValueError naming ``field`` and the accepted forms."""
+    if role == "adapter":
+        try:
+            source = parse(uri, field) if not uri.startswith("bundled://") else None
+        except ValueError:
+            source = None
+        if source is None or source.file is not None:
+            raise ValueError(f"{field}: {uri!r} is not a LoRA adapter uri; expected {ADAPTER_FORMS} (a folder "
+                             f"holding adapter_config.json and adapter_model.safetensors)")
+        return Source(source.uri, field, source.store, source.name, source.ref, source.prefix, None, role)
     if m := _HF.match(uri):
         return Source(uri, field, "hf", m["repo"], m["rev"] or "main", file=m["file"], role=role)
     if m := _S3.match(uri):

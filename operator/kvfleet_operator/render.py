@@ -40,6 +40,8 @@ RUN_AS_USER = 1000
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 NAME_LABEL = "app.kubernetes.io/name"
 OWNER_LABEL = "serving.kvfleet.dev/inferenceservice"
+#: on the pod template: the LoRA adapters its server is started with (status.adapters counts ready pods by it)
+ADAPTERS_ANNOTATION = "serving.kvfleet.dev/lora-adapters"
 
 
 @dataclass(frozen=True)
@@ -385,7 +387,9 @@ def render(obj: dict[str, Any], replicas: int | None = None,
                 "metadata": {
                     "labels": dict(labels),
                     "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec.service.port),
-                                    "prometheus.io/path": "/metrics"},
+                                    "prometheus.io/path": "/metrics",
+                                    **({ADAPTERS_ANNOTATION: ",".join(a.name for a in spec.adapters)}
+                                       if spec.adapters else {})},
                 },
                 "spec": pod_spec,
             },

@@ -126,6 +126,11 @@ FLAGS: tuple[ServerFlag, ...] = (
                "vLLM's disable_by_batch_size must be at least 2",
                value=lambda v: isinstance(_speculative(v).get("disable_by_batch_size"), int)
                and _speculative(v)["disable_by_batch_size"] < 2),
+    ServerFlag("--enable-lora", "spec.adapters", BOTH),
+    ServerFlag("--lora-modules", "spec.adapters", BOTH),
+    ServerFlag("--max-loras", "spec.engine.maxLoras", BOTH),
+    ServerFlag("--max-lora-rank", "spec.engine.maxLoraRank", BOTH),
+    ServerFlag("--max-cpu-loras", "spec.engine.maxCpuLoras", BOTH),
     ServerFlag("--shutdown-timeout", "spec.engine.shutdownTimeoutSeconds", BOTH),  # vLLM >= 0.18
     ServerFlag("--num-threads", "spec.resources.cpu", KVFLEET_ONLY,
                "kvfleet's CPU engine threads (vLLM's CPU backend reads VLLM_CPU_OMP_THREADS_BIND)", derived=True),

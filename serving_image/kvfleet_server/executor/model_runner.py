@@ -16,8 +16,8 @@ broadcasts the method's name and arguments to the other ranks (``workers.py`` ha
 ``serve``), then runs it itself; without tensor parallelism ``call`` is a plain method call. The methods
 every rank runs are ``COLLECTIVE``: ``run`` (a step, or a layer_skip draft pass), ``copy_blocks``
 (copy-on-write the drafters need before the step), ``row_logits`` (logits of rows that were not computed
-with the step), ``probe`` (the all-reduce benchmark), and for LoRA ``load_lora`` (an adapter into a slot:
-each rank reads its own shard, through its own host-memory LRU) and ``forget_lora``.
+with the step), ``probe`` (the all-reduce benchmark), and for LoRA ``cache_lora`` (every rank reads a newly
+loaded adapter into its host-memory LRU) and ``load_lora`` (an adapter into a slot: each rank its own shard).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ _MIN_GROUP = 4
 _MAX_GROUP = 16
 
 #: the runner methods every rank runs when rank 0 ``call``s them (the tensor-parallel message vocabulary)
-COLLECTIVE = frozenset({"run", "copy_blocks", "row_logits", "probe", "load_lora", "forget_lora"})
+COLLECTIVE = frozenset({"run", "copy_blocks", "row_logits", "probe", "cache_lora", "load_lora"})
 
 
 def zeroed_cpu_tensors(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
@@ -246,9 +246,11 @@ class ModelRunner:
             if sp.logits is not None:
                 first, n = chunk_rows[i] if sp.logits == "all" else (last_row[i], 1)
                 logit_rows.extend(range(first, first + n))
-        lora_slots = [spans[i].lora_slot for i in dec]
-        for i in pre:
-            lora_slots += [spans[i].lora_slot] * len(spans[i].token_ids)
+        lora_slots: list[int] = []
+        if any(sp.lora_slot >= 0 for sp in spans):  # else empty: every row is the base model's
+            lora_slots = [spans[i].lora_slot for i in dec]
+            for i in pre:
+                lora_slots += [spans[i].lora_slot] * len(spans[i].token_ids)
         inputs = StepInputs(ids, pos, slots, groups, prefills, list(copies), logit_rows, num_layers, lora_slots)
         return inputs, last_row, chunk_rows
 
@@ -363,10 +365,9 @@ class ModelRunner:
         Raises LoRAError (``model/lora_checkpoint.py``)."""
         set_adapter(self.model, slot, self.adapters.get(lora))
 
-    def forget_lora(self, lora: LoRARequest) -> None:
-        """Drop adapter ``lora`` from the host-memory LRU (unloaded; the engine reuses its slot once no
-        sequence holds it). Collective."""
-        self.adapters.forget(lora)
+    def cache_lora(self, lora: LoRARequest) -> None:
+        """Read adapter ``lora`` into this rank's host-memory LRU (at load time, on every rank). Collective."""
+        self.adapters.get(lora)
 
     def probe_all_reduce(self, rows: int, iters: int = 20) -> float:
         """Seconds per all-reduce of a [rows, hidden] activation when every rank is idle (no waiting on a

@@ -30,7 +30,7 @@ TARGET_MODULES = {
 }
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
                   r"(?:\.[\w-]+)?\.weight$")
 
 
@@ -111,11 +111,14 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
     """
     raw = read_adapter_config(path)
     rank = raw.get("r")
-    if not isinstance(rank, int) or rank < 1:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise LoRAError(f"r must be a positive integer, got {rank!r}", param="r")
     if rank > max_rank:
         raise LoRAError(f"adapter {name!r}: r={rank} exceeds --max-lora-rank {max_rank}", param="r")
     targets = raw.get("target_modules") or []
+    if not isinstance(targets, str) and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise LoRAError(f"target_modules must be a list of module names or a string, got {targets!r}",
+                        param="target_modules")
     if isinstance(targets, str):
         targets = [] if targets == "all-linear" else [targets] if targets in TARGET_MODULES else targets
     if isinstance(targets, list):
@@ -124,6 +127,8 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
             raise LoRAError(f"target_modules {unknown} are not supported (LoRA applies to "
                             f"{', '.join(TARGET_MODULES)})", param="target_modules")
     alpha = raw.get("lora_alpha", rank)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoRAError(f"lora_alpha must be a finite number, got {alpha!r}", param="lora_alpha")
     scale = alpha / math.sqrt(rank) if raw.get("use_rslora") else alpha / rank
     weights_path = os.path.join(path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
@@ -137,12 +142,17 @@ def load_adapter(name: str, path: str, cfg: ModelConfig, max_rank: int) -> LoRAA
     shapes = module_shapes(cfg)
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
-        m = _KEY.search(key)
+        m = _KEY.match(key)
         if m is None:
             module = key.split(".lora_")[0].rsplit(".", 1)[-1] if ".lora_" in key else key
             raise LoRAError(f"tensor {key!r}: module {module!r} is not supported (LoRA applies to "
                             f"{', '.join(TARGET_MODULES)}; embeddings and lm_head are not)", param="target_modules")
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        if not t.is_floating_point() or not torch.isfinite(t).all():
+            raise LoRAError(f"tensor {key!r} must hold finite floating-point values (dtype {t.dtype})",
+                            param="lora_path")
+        if which in parts.get((layer, module), {}):
+            raise LoRAError(f"tensor {key!r}: a second lora_{which} of layers.{layer}.{module}", param="lora_path")
         if module not in TARGET_MODULES:
             raise LoRAError(f"tensor {key!r}: module {module!r} is not supported (LoRA applies to "
                             f"{', '.join(TARGET_MODULES)})", param="target_modules")
@@ -188,9 +198,6 @@ class AdapterCache:
                 self._adapters.popitem(last=False)
         self._adapters.move_to_end(key)
         return adapter
-
-    def forget(self, lora) -> None:
-        self._adapters.pop((lora.name, lora.lora_int_id), None)
 
     def names(self) -> list[str]:
         """Names of the adapters held, least recently used first."""

@@ -46,18 +46,14 @@ class LoRAMapping:
         self.device = torch.device(device)
         self.segments: list[tuple[int, torch.Tensor | None]] = []
         self.grouped: tuple[int, torch.Tensor, torch.Tensor] | None = None
-        self.token_slots: torch.Tensor | None = None
 
     def set(self, token_slots: list[int]) -> None:
         """Row t of the next passes uses slot ``token_slots[t]`` (−1: the base model); an empty list: every
         row is the base model's."""
         self.segments = []
         self.grouped = None
-        self.token_slots = None
         if not token_slots or max(token_slots) < 0:
             return
-        slots = torch.tensor(token_slots, dtype=torch.long, device=self.device)
-        self.token_slots = slots
         rows: dict[int, list[int]] = {}
         for t, s in enumerate(token_slots):
             if s >= 0:
@@ -118,10 +114,6 @@ class LoRAWeights:
             self.a[slot, i * R : i * R + r] = A.to(self.a.dtype)
             self.b[slot, first : first + rows, i * R : i * R + r] = (B.float() * scale).to(self.b.dtype)
 
-    def clear_slot(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
-
     @torch.compiler.disable
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] + each row's adapter delta for x [T, in] (rows of the base model unchanged)."""
@@ -181,15 +173,11 @@ def attach_lora(model, max_loras: int, max_rank: int, dtype: torch.dtype, device
     return mapping
 
 
-def set_adapter(model, slot: int, adapter: LoRAAdapter | None) -> None:
-    """Slot ``slot`` of every LoRA Linear := ``adapter``'s weights (None: empty)."""
+def set_adapter(model, slot: int, adapter: LoRAAdapter) -> None:
+    """Slot ``slot`` of every LoRA Linear := ``adapter``'s weights."""
     groups: dict[str, list[str]] = {}
     for module, (linear, shard) in TARGET_MODULES.items():
         groups.setdefault(linear, []).append(module)
     for i, layer in enumerate(model.layers):
         for linear, modules in groups.items():
-            lora = getattr(layer, linear).lora
-            if adapter is None:
-                lora.clear_slot(slot)
-            else:
-                lora.set_slot(slot, [adapter.weights.get((i, m)) for m in modules], adapter.scale)
+            getattr(layer, linear).lora.set_slot(slot, [adapter.weights.get((i, m)) for m in modules], adapter.scale)
