@@ -13,7 +13,7 @@ What a subscriber sees (vLLM's ``ZmqEventPublisher``, vllm/distributed/kv_events
 - structs encoded positionally (msgspec ``array_like=True``): the layout vLLM used before
   vllm-project/vllm#42892 moved the events to maps, and the one every consumer decodes (llm-d-router
   0.10's vLLM adapter reads both; AIBrix, Dynamo and kthena read arrays). ``medium`` is ``"GPU"``, vLLM's
-  name for the engine's own KV pool, on any device; ``lora_id`` is None (kvfleet serves no adapters);
+  name for the engine's own KV pool, on any device; ``lora_id`` is None (an adapter's id is not passed on yet; its blocks' hashes differ from the base model's);
 - a ROUTER socket (``replay_endpoint``) answering ``[identity, b"", start_seq]`` with every buffered
   batch whose seq >= start_seq as ``[identity, b"", seq, payload]``, then ``[identity, b"", -1, b""]``
   (vLLM's replay protocol; ``buffer_steps`` batches are kept).
