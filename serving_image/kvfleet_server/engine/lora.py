@@ -3,7 +3,7 @@
 ``max_loras`` rule).
 
 - ``add`` / ``remove``: the registry (``--lora-modules`` at start-up, ``/v1/load_lora_adapter`` at run
-  time). ``add`` reads the adapter once on rank 0 (it is checked there and stays in rank 0's host LRU).
+  time). ``add`` reads and checks the adapter on rank 0, then every rank reads it into its host LRU.
 - ``acquire`` / ``release``: the scheduler admits a sequence only when its adapter holds a slot or can
   get one — a free slot, else the least recently used slot no running sequence holds; a slot held by a
   running (or preempted-and-requeued, once admitted again) sequence is never taken. Base-model sequences

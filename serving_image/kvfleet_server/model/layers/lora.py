@@ -12,9 +12,10 @@ columns of A, and its partial LoRA product is summed by the Linear's own all-red
 x_r A_rᵀ is x Aᵀ).
 
 All LoRA Linears of a model share one ``LoRAMapping``: the step's row → slot map, set once per step by the
-runner, grouped into segments (slot, rows) once. ``apply`` (the fast path, SGMV-like) runs one shrink and
-one expand per adapter present in the batch — a Python loop over adapters, never over rows — and
-``lora_reference`` (BGMV-like: every row gathers its own A and B) is the oracle the tests compare with.
+runner, laid out once: with at least three adapters in the step, one gather and one batched shrink and
+expand over all of them (``lora_apply_grouped``), else one shrink and expand per adapter present
+(``lora_apply``, SGMV-like) — never a loop over rows. ``lora_reference`` (BGMV-like: every row gathers its
+own A and B) is the oracle the tests compare both with.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class LoRAWeights:
 
     def set_slot(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None], scale: float) -> None:
         """Slot ``slot`` := the adapter's (A [r, in], B [out, r]) of each output shard (None: that shard has
-        no LoRA), full checkpoint sizes: this rank's part is cut here (``Linear.tp_slice``)."""
+        no LoRA), full checkpoint sizes: this rank's part is cut here, as the base weight is cut."""
         lin, R = self.linear, self.max_rank
         self.a[slot].zero_()
         self.b[slot].zero_()
