@@ -52,7 +52,9 @@ class FakeEngine:
         self.last_iteration = IterationStats()
         self.aborted: list[str] = []
 
-    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None, add_special_tokens=True):
+    def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None, add_special_tokens=True,
+                    lora_request=None):
+        assert lora_request is None, "the fake engine serves no adapters"
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequestError("prompt must not be empty", param="prompt")

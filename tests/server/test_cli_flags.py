@@ -133,7 +133,9 @@ VLLM_COMMAND_LINES = [
     ("--model /models/llama --generation-config auto", None),
     ("--model /models/llama --generation-config /no/such/dir", "--generation-config"),
     ("--model /models/llama --no-enable-chunked-prefill", "--no-enable-chunked-prefill"),
-    ("--model /models/llama --enable-lora", "--enable-lora"),
+    ("--model /models/llama --enable-lora --lora-modules sql=/adapters/sql "
+     "'{\"name\": \"chat\", \"path\": \"/adapters/chat\", \"base_model_name\": \"llama\"}' --max-loras 4 "
+     "--max-lora-rank 64 --max-cpu-loras 8", None),
     ("--model /models/llama --dtype float16 --device cpu", "--dtype"),
     ("--model /models/llama --swap-space 16", "--swap-space"),
     ("--model /models/llama --lora-modules sql=/adapters/sql", "--lora-modules"),
