@@ -24,6 +24,7 @@ from typing import Any
 
 from . import api
 from .model_source import Source
+from .pods import is_ready
 
 MODEL_READY = "ModelReady"
 _ERROR_LINE = re.compile(r"^error: (?P<reason>[A-Za-z]+): (?P<message>.*)$")
@@ -143,9 +144,7 @@ def condition(downloads: list[Download], serving_pods: list[dict[str, Any]], rea
     at = f" at {revision[:12]}" if revision else ""
     if ready:
         return True, "Ready", f"the model{at} is served"
-    starting = [pod_phase(p) for p in serving_pods
-                if not any(c.get("type") == "Ready" and c.get("status") == "True"
-                           for c in (p.get("status") or {}).get("conditions") or [])]
+    starting = [pod_phase(p) for p in serving_pods if not is_ready(p)]
     detail = "; ".join(starting[:3]) if starting else "waiting for pods"
     if per_pod:
         return False, "Loading", f"each pod downloads the weights{at} in its init container, then loads them; {detail}"

@@ -62,16 +62,17 @@ def _live(pod: dict[str, Any]) -> bool:
     return not meta.get("deletionTimestamp") and st.get("phase") not in ("Succeeded", "Failed")
 
 
+def is_ready(pod: dict[str, Any]) -> bool:
+    """The pod's Ready condition is True."""
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
 def adapter_counts(names: Sequence[str], pods: list[dict[str, Any]], annotation: str) -> list[dict[str, Any]]:
     """status.adapters: for each adapter name, the live Ready pods whose ``annotation`` (the comma-separated
     adapters its server was started with) lists it; pods of an older template without it do not count."""
-    served = []
-    for p in pods:
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
-                    for c in (p.get("status") or {}).get("conditions") or [])
-        if _live(p) and ready:
-            notes = (p.get("metadata") or {}).get("annotations") or {}
-            served.append(set(filter(None, (notes.get(annotation) or "").split(","))))
+    served = [set(filter(None, (((p.get("metadata") or {}).get("annotations") or {}).get(annotation) or "")
+                             .split(","))) for p in pods if _live(p) and is_ready(p)]
     return [{"name": n, "readyReplicas": sum(n in s for s in served)} for n in names]
 
 

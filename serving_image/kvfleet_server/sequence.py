@@ -129,11 +129,14 @@ class LoRARequest:
         name: the name requests select it by (the OpenAI ``model`` field).
         lora_int_id: a positive id, never reused within a server's life (KV events' ``lora_id``).
         path: directory of the PEFT adapter (adapter_config.json + adapter_model.safetensors).
+        base_model_name: what /v1/models reports as its ``parent`` (--lora-modules' JSON form; None: the
+            served model name).
     """
 
     name: str
     lora_int_id: int
     path: str
+    base_model_name: str | None = None
 
 
 class Request:

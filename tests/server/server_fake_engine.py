@@ -52,6 +52,12 @@ class FakeEngine:
         self.last_iteration = IterationStats()
         self.aborted: list[str] = []
 
+    def get_lora(self, name):
+        return None  # the fake engine serves no adapters
+
+    def list_loras(self):
+        return []
+
     def add_request(self, request_id, prompt, params, arrival_time=None, cache_salt=None, add_special_tokens=True,
                     lora_request=None):
         assert lora_request is None, "the fake engine serves no adapters"

@@ -5,6 +5,7 @@ cache isolating an adapter from a cache_salt of the same name, and a bad --lora-
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -131,11 +132,15 @@ def test_the_prefix_cache_keeps_an_adapter_and_a_same_named_salt_apart(server):
     assert hits_of(model="t0", extra_body=salt) > 0  # the adapter's own blocks
 
 
-def test_runtime_api_is_absent_without_the_switch_and_a_bad_adapter_exits_2(model_and_adapters, tmp_path):
+def test_runtime_api_is_absent_without_the_switch_json_modules_name_their_parent_and_a_bad_adapter_exits_2(model_and_adapters, tmp_path):
     model, ads = model_and_adapters
-    with running_server(["--model", model, "--dtype", "float32", "--enable-lora"], str(tmp_path / "a.log")) as srv:
+    module = json.dumps({"name": "j", "path": ads["t0"], "base_model_name": "other-base"})
+    with running_server(["--model", model, "--dtype", "float32", "--enable-lora", "--lora-modules", module],
+                        str(tmp_path / "a.log")) as srv:
         r = httpx.post(srv.url + "/v1/load_lora_adapter", json={"lora_name": "t0", "lora_path": ads["t0"]})
         assert r.status_code == 404
+        cards = {m["id"]: m for m in httpx.get(srv.url + "/v1/models").json()["data"]}
+        assert cards["j"]["parent"] == "other-base"  # vLLM's JSON form: base_model_name is the parent
     proc = subprocess.run([sys.executable, "-m", "kvfleet_server.cli", "--model", model, "--dtype", "float32",
                            "--port", "0", "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
                            f"big={ads['t2']}"], capture_output=True, text=True, timeout=120)

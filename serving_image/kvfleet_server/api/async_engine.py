@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from ..errors import EngineDeadError
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..sequence import LoRARequest
 from ..stats import SchedulerStats
 
 logger = logging.getLogger("kvfleet.engine_loop")
@@ -44,7 +45,7 @@ class _Add:
     future: asyncio.Future
     arrival: float
     add_special_tokens: bool = True
-    lora_request: object = None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

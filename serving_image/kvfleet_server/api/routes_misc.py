@@ -56,8 +56,9 @@ async def list_models(request: Request):
         state.require_engine()
     cards = [ModelCard(id=name, created=state.created, root=state.settings.root or name,
                        max_model_len=state.max_model_len) for name in state.settings.served_model_names]
-    cards += [ModelCard(id=lora.name, created=state.created, root=lora.path, parent=state.model_name,
-                        max_model_len=state.max_model_len) for lora in getattr(state.llm, "list_loras", list)()]
+    cards += [ModelCard(id=lora.name, created=state.created, root=lora.path,
+                        parent=lora.base_model_name or state.model_name, max_model_len=state.max_model_len)
+              for lora in state.llm.list_loras()]
     return ModelList(data=cards)
 
 

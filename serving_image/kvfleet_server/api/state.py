@@ -210,8 +210,9 @@ class ServerState:
         (a served model name, or no name). Raises APIError 404 for any other name."""
         if model is None or model in self.settings.served_model_names:
             return None
-        get = getattr(self.llm, "get_lora", None)
-        lora = get(model) if get is not None else None
+        if self.llm is None:  # adapters are known once the engine is loaded: 503 while loading
+            self.require_engine()
+        lora = self.llm.get_lora(model)
         if lora is None:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return lora

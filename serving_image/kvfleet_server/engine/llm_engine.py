@@ -186,7 +186,7 @@ class LLMEngine:
         self.lora = LoRAManager(config.max_loras if config.enable_lora else 0, self.runner)
         for module in config.lora_modules or []:
             try:
-                self.lora.add(module["name"], module["path"])
+                self.lora.add(module["name"], module["path"], module.get("base_model_name"))
             except LoRAError as exc:
                 self.shutdown()
                 raise LoRAError(f"--lora-modules {module['name']}={module['path']}: {exc}", exc.param,
@@ -239,9 +239,7 @@ class LLMEngine:
         return SchedulerStats(
             num_running=len(running), num_waiting=len(waiting), kv_cache_usage=pool.usage,
             num_blocks_total=pool.num_blocks, num_blocks_free=pool.num_free_blocks,
-            num_blocks_cached=pool.num_cached_blocks, max_lora=self.lora.max_loras,
-            running_lora_adapters=tuple(self.lora.names_in(self.scheduler.running)),
-            waiting_lora_adapters=tuple(self.lora.names_in(self.scheduler.waiting)),
+            num_blocks_cached=pool.num_cached_blocks, **self.lora.stats(self.scheduler),
         )
 
     @property

@@ -42,14 +42,15 @@ class LoRAManager:
         return self.max_loras > 0
 
     # --- registry ------------------------------------------------------------------------------
-    def add(self, name: str, path: str) -> LoRARequest:
-        """Register adapter ``name`` at ``path`` (read and checked now). Raises LoRAError: LoRA off,
-        name taken (400), or a bad adapter (``lora_checkpoint.load_adapter``)."""
+    def add(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Register adapter ``name`` at ``path`` (read and checked now; ``base_model_name``: its parent in
+        /v1/models). Raises LoRAError: LoRA off, name taken (400), or a bad adapter
+        (``lora_checkpoint.load_adapter``)."""
         if not self.enabled:
             raise LoRAError("LoRA adapters need --enable-lora", param="lora_name")
         if name in self.adapters:
             raise LoRAError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
-        req = LoRARequest(name, next(self._ids), path)
+        req = LoRARequest(name, next(self._ids), path, base_model_name)
         self.runner.adapters.get(req)  # validates on rank 0 first (a bad adapter never reaches the workers)
         self.runner.call("cache_lora", req)  # every rank reads it now, from the same files
         self.adapters[name] = req
@@ -115,6 +116,14 @@ class LoRAManager:
             self.runner.call("load_lora", slot, self.slots[slot])
 
     # --- metrics -------------------------------------------------------------------------------
-    def names_in(self, seqs) -> list[str]:
-        """Adapter names of ``seqs`` (each once, in order)."""
-        return list(dict.fromkeys(s.request.lora.name for s in seqs if s.request.lora is not None))
+    def stats(self, scheduler) -> dict:
+        """``SchedulerStats``' LoRA fields: max_lora and the adapter names of the running and waiting
+        sequences (each once, in order); nothing without LoRA (no walk over the queues)."""
+        if not self.enabled:
+            return {}
+
+        def names(seqs) -> tuple[str, ...]:
+            return tuple(dict.fromkeys(s.request.lora.name for s in seqs if s.request.lora is not None))
+
+        return {"max_lora": self.max_loras, "running_lora_adapters": names(scheduler.running),
+                "waiting_lora_adapters": names(scheduler.waiting)}

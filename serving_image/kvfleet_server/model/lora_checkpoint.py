@@ -59,10 +59,6 @@ class LoRAAdapter:
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
-
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """PEFT module name → (in features, out features) of the base model's projection."""

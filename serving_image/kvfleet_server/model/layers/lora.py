@@ -115,7 +115,6 @@ class LoRAWeights:
             self.a[slot, i * R : i * R + r] = A.to(self.a.dtype)
             self.b[slot, first : first + rows, i * R : i * R + r] = (B.float() * scale).to(self.b.dtype)
 
-    @torch.compiler.disable
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] + each row's adapter delta for x [T, in] (rows of the base model unchanged)."""
         grouped = self.mapping.grouped
@@ -175,10 +174,12 @@ def attach_lora(model, max_loras: int, max_rank: int, dtype: torch.dtype, device
 
 
 def set_adapter(model, slot: int, adapter: LoRAAdapter) -> None:
-    """Slot ``slot`` of every LoRA Linear := ``adapter``'s weights."""
-    groups: dict[str, list[str]] = {}
-    for module, (linear, shard) in TARGET_MODULES.items():
-        groups.setdefault(linear, []).append(module)
+    """Slot ``slot`` of every LoRA Linear := ``adapter``'s weights (each PEFT module into its Linear's shard,
+    ``TARGET_MODULES``)."""
     for i, layer in enumerate(model.layers):
-        for linear, modules in groups.items():
-            getattr(layer, linear).lora.set_slot(slot, [adapter.weights.get((i, m)) for m in modules], adapter.scale)
+        shards: dict[str, list] = {}
+        for module, (linear, shard) in TARGET_MODULES.items():
+            lin = getattr(layer, linear)
+            shards.setdefault(linear, [None] * len(lin.output_sizes))[shard] = adapter.weights.get((i, module))
+        for linear, parts in shards.items():
+            getattr(layer, linear).lora.set_slot(slot, parts, adapter.scale)
