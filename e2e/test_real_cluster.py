@@ -111,6 +111,9 @@ INVALID = [  # (spec changes, what the API server must name)
     ({"resources": {"gpus": 0, "memory": "lots"}}, "spec.resources.memory"),
     ({"modelCache": {"emptyDir": {"sizeLimit": "12 apples"}}}, "spec.modelCache.emptyDir.sizeLimit"),
     ({"engine": {"unknownField": 1}}, "unknownField"),  # fieldValidation=Strict
+    ({"adapters": [{"name": "sql", "uri": "file:///a/sql"}, {"name": "sql", "uri": "file:///a/b"}]},
+     "spec.adapters[1]"),  # a list map keyed by name: duplicate names
+    ({"adapters": [{"name": "-sql", "uri": "file:///a/sql"}]}, "spec.adapters[0].name"),
 ]
 
 
@@ -204,6 +207,23 @@ def _new_rs_hash(c: Cluster, ns: str, name: str) -> str | None:
         if rs.metadata.annotations.get("deployment.kubernetes.io/revision") == rev:
             return rs.metadata.labels.get("pod-template-hash")
     return None
+
+
+def test_adapters_are_rendered_and_counted_per_ready_pod(cluster, operator, ns):
+    """spec.adapters on a real API server: accepted strictly, rendered as --lora-modules, and
+    status.adapters counts the ready pods started with each (the kubelet is played)."""
+    kubelet = Kubelet(cluster)
+    sel = SELECTOR.format("lora")
+    adapters = [{"name": "sql", "uri": "file:///adapters/sql"}, {"name": "chat", "uri": "file:///adapters/chat"}]
+    cluster.create_isvc(ns, isvc("lora", adapters=adapters))
+    wait_for("pods", lambda: kubelet.pods(ns, sel), timeout=60)
+    args = cluster.apps.read_namespaced_deployment("lora", ns).spec.template.spec.containers[0].args
+    assert args[args.index("--lora-modules") + 1:][:2] == ["sql=/adapters/sql", "chat=/adapters/chat"]
+    kubelet.make_ready(ns, sel)
+    want = [{"name": "sql", "readyReplicas": 1}, {"name": "chat", "readyReplicas": 1}]
+    wait_for("status.adapters", lambda: (cluster.custom.get_namespaced_custom_object(
+        GROUP, VERSION, ns, PLURAL, "lora").get("status") or {}).get("adapters") == want, timeout=60)
+    assert operator.forbidden() == []
 
 
 def test_quota_refusal_is_degraded(cluster, operator, ns):
