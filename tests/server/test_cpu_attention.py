@@ -204,9 +204,11 @@ def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):
 
 
 def test_build_folder_names_the_isa_level_and_source_hash():
-    name = cpu_ext._name()
+    name = cpu_ext._name(cpu_ext.isa_level())
     assert name.startswith("kvfleet_cpu_ops_") and cpu_ext.isa_level().replace("-", "_") in name
     assert cpu_ext.build_directory(name).endswith(os.path.join("kvfleet", name))
+    names = {cpu_ext._name(level) for level in cpu_ext.X86_LEVELS}
+    assert len(names) == len(cpu_ext.X86_LEVELS)  # each level its own folder (and flags in the hash)
 
 
 @pytest.mark.parametrize("where", ["q", "k_cache"])

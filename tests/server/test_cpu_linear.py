@@ -1,7 +1,10 @@
 """kvfleet's float32 panel linear on the CPU (attention/csrc/linear_cpu.cpp, model/layers/cpu_prepack.py's
-``pack_panels``): against float64 over random shapes (row counts on both sides of the 6-row tile and of
-an L2 block of rows, column counts not a multiple of the 16-column panel, K down to 1), with and without
-bias, strided and batched inputs, the same bits whatever the thread count, and bad inputs refused by name."""
+``pack_panels``): against float64 over random shapes (row counts on both sides of the AVX2 build's 6-row
+and the AVX-512 build's 12- and 14-row tiles, of the threads' split by rows and of an L2 block of rows;
+column counts not a multiple of the 16-column panel or of a pair of panels; K down to 1 and past one
+K chunk), with and without bias, strided and batched inputs, the same bits whatever the thread count
+(split by panels or by rows, K whole or in chunks), and bad inputs refused by name. tests/server/
+test_cpu_isa_variants.py runs this file again under every other build this CPU runs."""
 
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ def assert_close_to_float64(y, x, w, bias):
     assert float(err.max()) <= 1e-5 * max(1.0, float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 32, 97])
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 12, 13, 15, 32, 97, 301])
 @pytest.mark.parametrize("k,n", [(1, 3), (5, 16), (33, 17), (576, 40), (576, 960), (1536, 31)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_panel_linear_matches_float64(m, k, n, bias):
@@ -59,16 +62,20 @@ def test_rows_beyond_one_l2_block_and_strided_input():
 def test_same_bits_whatever_the_thread_count():
     """Each output is one thread's sum in k order: the thread count changes which thread, not the sum."""
     g = torch.Generator().manual_seed(3)
-    x, w = torch.randn(9, 576, generator=g), torch.randn(3072, 576, generator=g)
+    w = torch.randn(3072 + 24, 576, generator=g)  # an odd number of panels: pairs and a single one
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = op(x, w)
-        torch.set_num_threads(2)
-        two = op(x, w)
+        for m in (9, 60, 150):  # 60 rows: split by rows (K in chunks) on 1 thread, by panels on 2
+            x = torch.randn(m, 576, generator=g)
+            torch.set_num_threads(1)
+            one = op(x, w)
+            torch.set_num_threads(2)
+            two = op(x, w)
+            assert torch.equal(one, two), m
+            # and the same bits as the rows one at a time (decode's path: one tile, K whole)
+            assert torch.equal(one, torch.cat([op(x[i:i + 1], w) for i in range(m)]))
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two)
 
 
 def test_empty_shapes():
@@ -127,7 +134,7 @@ def int8_op(x, q, s, bias=None):
     return torch.ops.kvfleet.linear_packed_int8_cpu(x, panels, padded, q.shape[0], bias)
 
 
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 32, 97])
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 32, 97, 301])
 @pytest.mark.parametrize("k,n", [(1, 3), (33, 17), (576, 40), (1536, 31)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_panel_linear_matches_float64(m, k, n, bias):

@@ -2,21 +2,25 @@
 (``paged_attention_cpu.cpp``) and per span (``paged_span_attention_cpu.cpp``), sharing ``softmax.h``; a
 decoder layer's fused element-wise ops (``layer_ops_cpu.cpp``: RMSNorm, residual add + RMSNorm, RoPE,
 SiLU-and-mul) and the float32 panel linear (``linear_cpu.cpp``),
-sharing ``vec_avx2.h`` (AVX2 helpers) and ``panel_tile.h`` (the 6 x 16 micro-kernel of the linear and the
-span attention kernel).
+sharing ``vec_avx2.h`` (AVX2 helpers) and ``panel_tile.h`` (the register-blocked micro-kernels of the
+linear and the span attention kernel).
 
 Built with ``torch.utils.cpp_extension.load`` (g++, and ninja: the ``ninja`` package installed with the
-project, found next to this interpreter) for a portable instruction-set level — x86-64-v3 (AVX2 + FMA:
-every x86 server CPU since 2013) where the CPU has it, else baseline x86-64 / armv8-a — so a library
-built once (``make``, a container image's build stage) runs on any machine of that level. It lives
-under ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``) in ``kvfleet/<name>``, the name
-carrying the level and a hash of the source (its text and its path: torch rebuilds when the source path
-in its build file changes, so two checkouts must not share a folder), the flags, torch's and Python's
-versions: a restart loads the cached library directly (``torch.ops.load_library``, milliseconds: the name
-already hashes every input, so neither ninja's check nor ``cpp_extension`` is needed), and
-different sources, checkouts or toolchains never share a folder. The first build takes tens of seconds; ``main()`` builds it ahead of
-time (the Makefile runs it after installing). A build lock older than ``STALE_LOCK_S`` (a build killed
-midway) is removed rather than waited on forever.
+project, found next to this interpreter) for one instruction-set level, chosen at run time from the
+CPU's flags (``isa_level``): x86-64-v4 (AVX-512 F/BW/CD/DQ/VL: Intel Xeon since Skylake-SP, AMD since
+Zen 4), else x86-64-v3 (AVX2 + FMA: every x86 server CPU since 2013), else baseline x86-64 / armv8-a.
+``KVFLEET_CPU_ISA=x86-64-v3`` (or ``x86-64``) forces a lower level, e.g. to compare builds on one machine;
+a level the CPU lacks is refused with ValueError. A library built for a level runs on any machine of
+that level; a CPU image's build stage builds every level (``main(["--all-levels"])``), so the image
+runs its best build on whatever CPU a node has. A build lives under ``TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) in ``kvfleet/<name>``, the name carrying the level and a hash of the source
+(its text and its path: torch rebuilds when the source path in its build file changes, so two checkouts
+must not share a folder), the flags, torch's and Python's versions: a restart loads the cached library
+directly (``torch.ops.load_library``, milliseconds: the name already hashes every input, so neither
+ninja's check nor ``cpp_extension`` is needed), and different sources, checkouts, levels or toolchains
+never share a folder. The first build takes tens of seconds; ``main()`` builds it ahead of time (the
+Makefile runs it after installing). A build lock older than ``STALE_LOCK_S`` (a build killed midway) is
+removed rather than waited on forever.
 
 ``load()`` returns None, with the reason in ``load_error()``, when it cannot be built or loaded (no
 compiler, no ninja): the engine then serves with the torch reference backend and torch's layer ops,
@@ -43,6 +47,9 @@ SOURCES = (CSRC / "paged_attention_cpu.cpp", CSRC / "paged_span_attention_cpu.cp
 HEADERS = (CSRC / "vec_avx2.h", CSRC / "panel_tile.h", CSRC / "softmax.h")
 STALE_LOCK_S = 600
 _X86_V3 = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"}
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+X86_LEVELS = ("x86-64", "x86-64-v3", "x86-64-v4")  # lowest first
+ISA_ENV = "KVFLEET_CPU_ISA"  # force a lower level than the CPU's (e.g. x86-64-v3 on an AVX-512 host)
 _state: dict = {}
 
 
@@ -56,28 +63,57 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def isa_level() -> str:
-    """The -march level the kernel is built for on this CPU."""
+def supported_levels() -> tuple[str, ...]:
+    """The -march levels this CPU runs, lowest first: x86-64 always on x86, x86-64-v3 with AVX2 + FMA,
+    x86-64-v4 with AVX-512 F/BW/CD/DQ/VL as well; ("armv8-a",) on Arm, () elsewhere."""
     machine = platform.machine()
     if machine in ("x86_64", "AMD64"):
-        return "x86-64-v3" if _X86_V3 <= _cpu_flags() else "x86-64"
+        flags = _cpu_flags()
+        return X86_LEVELS[:1 + (_X86_V3 <= flags) + (_X86_V4 <= flags)]
     if machine in ("aarch64", "arm64"):
-        return "armv8-a"
-    return ""
+        return ("armv8-a",)
+    return ()
 
 
-def _cflags() -> list[str]:
-    level = isa_level()
+def isa_level() -> str:
+    """The -march level the kernels are built for: the highest this CPU runs, or the one ``KVFLEET_CPU_ISA``
+    names. Raises ValueError naming the variable when it names a level this CPU lacks or none at all."""
+    levels = supported_levels()
+    forced = os.environ.get(ISA_ENV, "").strip()
+    if not forced:
+        return levels[-1] if levels else ""
+    if forced not in levels:
+        raise ValueError(f"{ISA_ENV}={forced!r}: this CPU runs {', '.join(levels) or 'no kvfleet kernel build'}")
+    return forced
+
+
+def cpu_description() -> str:
+    """The CPU model and the instruction-set flags that pick kvfleet's kernels, for benchmark output:
+    e.g. ``Intel(R) Xeon(R) Processor [avx2 avx512f avx512_bf16 amx_bf16 ...] (2 threads)``."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    shown = sorted(f for f in _cpu_flags() if f.startswith(("avx", "amx", "fma")))
+    return (f"{model or platform.processor() or platform.machine()} [{' '.join(shown)}] "
+            f"({os.cpu_count()} CPUs, kernels built for {isa_level() or 'generic'})")
+
+
+def _cflags(level: str) -> list[str]:
     # no contraction of a * b + c into FMAs outside the explicit intrinsics: the element-wise ops then
     # round like torch's operator-by-operator reference
     return ["-O3", "-fopenmp", "-ffp-contract=off"] + ([f"-march={level}"] if level else [])
 
 
-def _name() -> str:
+def _name(level: str) -> str:
     files = [part for f in SOURCES + HEADERS for part in (f.read_bytes(), str(f).encode())]
-    key = b"\0".join(files + [" ".join(_cflags()).encode(), torch.__version__.encode(), sys.version.encode(),
+    key = b"\0".join(files + [" ".join(_cflags(level)).encode(), torch.__version__.encode(), sys.version.encode(),
                               os.environ.get("CXX", "").encode()])
-    return f"kvfleet_cpu_ops_{isa_level().replace('-', '_') or 'generic'}_{hashlib.sha1(key).hexdigest()[:10]}"
+    return f"kvfleet_cpu_ops_{level.replace('-', '_') or 'generic'}_{hashlib.sha1(key).hexdigest()[:10]}"
 
 
 def build_directory(name: str) -> str:
@@ -137,21 +173,22 @@ def _mark_built(path: str, name: str) -> None:
 def load():
     """The ``torch.ops.kvfleet.paged_attention_cpu`` op (building the kernel library on first use; the
     layer ops ``torch.ops.kvfleet.*_cpu`` and ``linear_packed_cpu`` are then registered too), or None when
-    it cannot be built here (see ``load_error``)."""
+    it cannot be built here (see ``load_error``). Raises ValueError when ``KVFLEET_CPU_ISA`` names a level
+    this CPU lacks."""
     if "op" in _state:
         return _state["op"]
+    isa_level()  # a KVFLEET_CPU_ISA this CPU cannot run is the user's error: raised, not served around
     op = None
     try:
-        bindir = os.path.dirname(sys.executable)  # the venv's ninja, also when the venv is not activated
-        if bindir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        name = _name()
+        _ensure_ninja_on_path()
+        level = isa_level()
+        name = _name(level)
         path = build_directory(name)
         _clear_stale_lock(path)
         if not _load_built(path, name):
             from torch.utils import cpp_extension
 
-            cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=_cflags(),
+            cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=_cflags(level),
                                extra_ldflags=["-fopenmp"], build_directory=path, is_python_module=False, verbose=False)
             _mark_built(path, name)
         op = torch.ops.kvfleet.paged_attention_cpu
@@ -184,11 +221,50 @@ def load_error() -> str | None:
     return _state.get("error")
 
 
-def main() -> int:
-    """Build (or load the cached) kernel and say so; 0 when it is ready. The Makefile runs it after
-    installing: ``python -c 'from kvfleet_server.attention.cpu_ext import main; main()'``."""
+def _ensure_ninja_on_path() -> None:
+    bindir = os.path.dirname(sys.executable)  # the venv's ninja, also when the venv is not activated
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def build_only(level: str) -> str:
+    """Build the library for ``level`` without loading it — a container image's build stage builds
+    every level of its architecture, so that the image runs its best build on whatever CPU a node has.
+    Returns the build folder. Uses ``cpp_extension``'s ninja builder (torch is pinned: its signature is
+    stable for the pinned version); raises when the build fails."""
+    from torch.utils import cpp_extension
+
+    _ensure_ninja_on_path()
+    name = _name(level)
+    path = build_directory(name)
+    if not os.path.isfile(os.path.join(path, f"{name}.ok")):
+        cpp_extension._write_ninja_file_and_build_library(
+            name=name, sources=[str(f) for f in SOURCES], extra_cflags=_cflags(level), extra_cuda_cflags=[],
+            extra_sycl_cflags=[], extra_ldflags=["-fopenmp"], extra_include_paths=[], build_directory=path,
+            verbose=False, with_cuda=False, with_sycl=False)
+        _mark_built(path, name)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build (or load the cached) kernels for this CPU and say so; 0 when they are ready. The Makefile
+    runs it after installing: ``python -c 'from kvfleet_server.attention.cpu_ext import main; main()'``;
+    with ``--all-levels`` (the CPU image's build stage) it also builds every other level of this
+    architecture (x86-64, x86-64-v3, x86-64-v4), not loaded here."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="cpu_ext.main", description=main.__doc__.split("\n")[0])
+    ap.add_argument("--all-levels", action="store_true", help="also build the levels this CPU does not use")
+    args = ap.parse_args([] if argv is None else argv)
     t0 = time.perf_counter()
     ok = load() is not None
     print(f"kvfleet CPU kernels ({isa_level() or 'generic'}): "
           f"{'ready' if ok else 'unavailable: ' + str(load_error())} ({time.perf_counter() - t0:.1f} s)")
+    if args.all_levels and platform.machine() in ("x86_64", "AMD64"):
+        for level in X86_LEVELS:
+            if level != isa_level():
+                t0 = time.perf_counter()
+                build_only(level)
+                print(f"kvfleet CPU kernels ({level}): built, not loaded here ({time.perf_counter() - t0:.1f} s)")
     return 0 if ok else 1
+

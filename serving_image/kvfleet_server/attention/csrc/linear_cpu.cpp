@@ -2,18 +2,19 @@
 // Wp [P, K, 16], P = ceil(N / 16), panel p holding output columns 16p .. 16p + 15 (zero rows past N), so
 // one panel streams from memory as a single contiguous run of K x 64 bytes.
 //
-// The micro-kernel is the register-blocked outer product of BLIS / GotoBLAS (Goto & van de Geijn 2008,
-// "Anatomy of high-performance matrix multiplication"): 6 rows of x times one 16-column panel, 12 AVX2
-// accumulators, per k two loads of W, six broadcasts of x and twelve FMAs. While the first 6-row tile
-// of a panel runs, the next panel is prefetched into L2 one 64-byte line per k, so the weight stream —
-// what decode is bound by: every step reads every weight — runs at the memory's rate rather than
-// stalling on each panel's first lines (oneDNN's and MKL's GEMMs reach about 9 of this machine's 23 GB/s
-// at decode's 1-8 rows). Rows of x are taken in blocks that fit L2 (kMaxXBlockBytes), and panels are
-// spread over torch's OpenMP pool (at::parallel_for: each thread streams one contiguous range).
+// The micro-kernels are the register-blocked outer products of BLIS / GotoBLAS (Goto & van de Geijn 2008,
+// "Anatomy of high-performance matrix multiplication"), panel_tile.h: in the AVX-512 build, 12 rows of
+// x times two panels (tile2: 24 zmm accumulators); in the AVX2 build, 6 rows times one panel (12 ymm
+// accumulators); the portable build runs the same sums in scalar loops. Rows of x are packed k-major
+// per tile (GotoBLAS's packed A), so the broadcasts read one contiguous stream. Decode's few rows: the
+// threads split the panels, each streaming one contiguous range with the next panels prefetched into L2
+// one 64-byte line per k, so the weight stream — what decode is bound by: every step reads every
+// weight — runs at the memory's rate. Prefill's many rows: the threads split the rows, and K is taken in
+// L1-sized chunks (run_panels).
 //
-// Accumulation is float32 in k order, one sum per output: the result agrees with F.linear to float32
-// rounding (tests/server/test_cpu_linear.py checks it against float64). The portable build (no AVX2)
-// runs the same loops in scalar code.
+// Accumulation is float32 in k order, one FMA chain per output whatever the build, tile or thread count:
+// the result agrees with F.linear to float32 rounding (tests/server/test_cpu_linear.py checks it against
+// float64), and the AVX-512 and AVX2 builds give the same bits (tests/server/test_cpu_isa_variants.py).
 //
 // Registered as torch.ops.kvfleet.linear_packed_cpu(x, wp, n, bias) -> Tensor; the packing is
 // model/layers/cpu_prepack.py's pack_panels. The same loops serve int8 weights (--quantization int8 on
@@ -26,41 +27,104 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "panel_tile.h"
 
 namespace {
 
-constexpr int64_t kMaxXBlockBytes = 192 * 1024;  // rows of x held in L2 while every panel passes
+constexpr int64_t kMaxXBlockBytes = 256 * 1024;  // a chunk of rows of x held in L2 while every panel passes
+constexpr int64_t kKc = 256;                      // K per pass of a block: a panel's chunk is 16 KB (L1)
 using kvfleet_panel::kPanel;
 using kvfleet_panel::kRows;
 using kvfleet_panel::kTiles;
 
-// y [M, n] = x [M, K] . Wp (* scales) (+ bias) over P panels of K x 16 weights of type W.
+#ifdef KVFLEET_AVX512
+constexpr int kGroup = 2;                   // panels per micro-kernel call: tile2
+constexpr int kTileRows = kvfleet_panel::kRows2;
+#else
+constexpr int kGroup = 1;                   // tile
+constexpr int kTileRows = kRows;
+#endif
+
+// y [M, n] = x [M, K] . Wp (* scales) (+ bias) over P panels of K x 16 weights of type W, in GotoBLAS's
+// loop order. Rows are taken in blocks and packed k-major tile by tile (pack_rows: the micro-kernel's
+// broadcasts read one contiguous stream, GotoBLAS's packed A). Threads split the block's tiles when
+// there are many (prefill: each thread packs and reads its own rows and writes its own rows of y; K
+// in chunks of about kKc, so the panels' chunk stays in L1 while it passes over the thread's tiles,
+// whose chunk stays in L2), and the panels otherwise (decode: each thread streams its own contiguous
+// run of weights, the step's bottleneck, the next panels prefetched; K whole).
 template <typename W>
 void run_panels(const float* xp, int64_t M, int64_t K, const W* wptr, int64_t P, int64_t n, const float* sp,
                 const float* bp, float* yp) {
-  const int64_t block =
-      std::max<int64_t>(kRows, (kMaxXBlockBytes / (K * static_cast<int64_t>(sizeof(float)))) / kRows * kRows);
+  constexpr int rows = kTileRows;
+  const int64_t threads = at::get_num_threads();
+  const bool split_rows = M >= 4 * rows * threads;
+  const int64_t chunks = split_rows ? (K + kKc - 1) / kKc : 1, kc = (K + chunks - 1) / chunks;
+  const int64_t block = std::max<int64_t>(
+      rows, (kMaxXBlockBytes * (split_rows ? threads : 1) / (kc * static_cast<int64_t>(sizeof(float)))) / rows * rows);
+  // the packed block, kept per calling thread across calls (at most a block's rows: a few MB), so a call
+  // neither zero-fills nor page-faults a fresh buffer
+  thread_local std::vector<float> packed;
+  packed.resize(std::max(packed.size(), static_cast<size_t>(std::min(block, M) + rows) * K));
+  float* const buf = packed.data();  // the lambdas run on other threads: their own thread_local is not this
+  std::vector<int64_t> starts;
+  auto pack = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      kvfleet_panel::pack_rows(xp + starts[t] * K, K, static_cast<int>(starts[t + 1] - starts[t]), K,
+                               buf + t * K * rows, rows);
+    }
+  };
+  // panels p .. p + kGroup - 1 (fewer at the end) over tiles [t0, t1), k in [k0, k1); partial sums go to
+  // y unscaled (a chunk after the first starts from them), bias and scale come with the last chunk
+  auto group = [&](int64_t p, int64_t t0, int64_t t1, int64_t k0, int64_t k1, const W* next) {
+    const bool last = k1 == K;
+    const W* w = wptr + p * K * kPanel + k0 * kPanel;
+    const float* b = bp && last ? bp + p * kPanel : nullptr;
+    const float* s = sp && last ? sp + p * kPanel : nullptr;
+    const float* x = buf + k0 * rows;
+#ifdef KVFLEET_AVX512
+    if (p + 1 < P) {
+      const int ncols1 = static_cast<int>(std::min<int64_t>(kPanel, n - (p + 1) * kPanel));
+      for (int64_t t = t0; t < t1; ++t) {
+        const int mr = static_cast<int>(starts[t + 1] - starts[t]);
+        kvfleet_panel::kTiles2<W>[mr](x + t * K * rows, w, w + K * kPanel, k1 - k0, yp + starts[t] * n + p * kPanel,
+                                      n, ncols1, b, s, t == t0 ? next : nullptr, k0 > 0);
+      }
+      return;
+    }
+#endif
+    const int ncols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int mr = static_cast<int>(starts[t + 1] - starts[t]);
+      kTiles<W, rows>[mr](x + t * K * rows, K, w, k1 - k0, yp + starts[t] * n + p * kPanel, n, ncols, b, s,
+                          t == t0 ? next : nullptr, k0 > 0);
+    }
+  };
+  const int64_t groups = (P + kGroup - 1) / kGroup;
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m1 = std::min(M, m0 + block);
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const W* w = wptr + p * K * kPanel;
-        const W* next = p + 1 < p1 ? w + K * kPanel : nullptr;
-        const int ncols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
-        const float* b = bp ? bp + p * kPanel : nullptr;
-        const float* s = sp ? sp + p * kPanel : nullptr;
-        // the block's rows in ceil(rows / 6) tiles of near-equal size (32 rows: 6 6 5 5 5 5, not
-        // 6 6 6 6 6 2: a thin last tile re-reads the panel for little work)
-        const int64_t tiles = (m1 - m0 + kRows - 1) / kRows, base = (m1 - m0) / tiles, extra = (m1 - m0) % tiles;
-        for (int64_t t = 0, r = m0; t < tiles; ++t) {
-          const int mr = static_cast<int>(base + (t < extra));
-          kTiles<W>[mr](xp + r * K, K, w, K, yp + r * n + p * kPanel, n, ncols, b, s, t == 0 ? next : nullptr);
-          r += mr;
+    // the block's rows in ceil(rows / tile rows) tiles of near-equal size (32 rows, 6-row tiles:
+    // 6 6 5 5 5 5, not 6 6 6 6 6 2: a thin last tile re-reads the panel for little work)
+    const int64_t tiles = (m1 - m0 + rows - 1) / rows, base = (m1 - m0) / tiles, extra = (m1 - m0) % tiles;
+    starts.assign(1, m0);
+    for (int64_t t = 0; t < tiles; ++t) starts.push_back(starts.back() + base + (t < extra));
+    if (split_rows) {
+      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        pack(t0, t1);
+        for (int64_t k0 = 0; k0 < K; k0 += kc) {
+          for (int64_t g = 0; g < groups; ++g) group(g * kGroup, t0, t1, k0, std::min(K, k0 + kc), nullptr);
         }
-      }
-    });
+      });
+    } else {
+      pack(0, tiles);
+      at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+        for (int64_t g = g0; g < g1; ++g) {
+          const W* next = g + 1 < g1 ? wptr + (g + 1) * kGroup * K * kPanel : nullptr;
+          group(g * kGroup, 0, tiles, 0, K, next);
+        }
+      });
+    }
   }
 }
 

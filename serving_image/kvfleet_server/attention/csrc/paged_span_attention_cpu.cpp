@@ -112,7 +112,7 @@ void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Ten
       const int64_t Lt = prefix_len + (v0 + nv - 1) / G + 1, Pt = (Lt + 15) / 16, ld = Pt * 16;
       const auto fn = kvfleet_panel::kTiles<float>[nv];  // no bias, scale or prefetch: 16 columns as they are
       for (int64_t p = 0; p < Pt; ++p)
-        fn(qf.data(), D, kt.get() + (kh * P + p) * D * 16, D, s.data() + p * 16, ld, 16, nullptr, nullptr, nullptr);
+        fn(qf.data(), D, kt.get() + (kh * P + p) * D * 16, D, s.data() + p * 16, ld, 16, nullptr, nullptr, nullptr, false);
       for (int64_t i = 0; i < nv; ++i) {
         const int64_t Li = prefix_len + (v0 + i) / G + 1;
         float* si = s.data() + i * ld;
@@ -120,7 +120,7 @@ void paged_span_attention_cpu(at::Tensor out, const at::Tensor& q, const at::Ten
         std::fill(si + Li, si + ld, 0.f);  // keys past this row's context weigh nothing
       }
       for (int64_t c = 0; c < D; c += 16) {
-        fn(s.data(), ld, vt.get() + (kh * DC + c / 16) * L * 16, Lt, o.data(), 16, 16, nullptr, nullptr, nullptr);
+        fn(s.data(), ld, vt.get() + (kh * DC + c / 16) * L * 16, Lt, o.data(), 16, 16, nullptr, nullptr, nullptr, false);
         for (int64_t i = 0; i < nv; ++i) {
           const int64_t r = (v0 + i) / G, h = kh * G + (v0 + i) % G;
           float* dst = op + (q_start + r) * o_s0 + h * o_s1 + c;

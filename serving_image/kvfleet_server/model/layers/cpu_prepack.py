@@ -5,12 +5,10 @@ layout on each call; at decode's few rows (M = 1-32 against a 576 x 1536 weight)
 the arithmetic, and a decode step, which reads every weight, streams them at well under the memory's
 rate. Two packed layouts, each with one copy of the weight (the float weight is released):
 
-- ``PanelLinearMethod`` (the default where kvfleet's C++ kernels build for AVX2): W [N, K] as 16-column panels
-  [ceil(N / 16), K, 16] (``pack_panels``), multiplied by ``torch.ops.kvfleet.linear_packed_cpu``
-  (attention/csrc/linear_cpu.cpp: a 6 x 16 AVX2 register-blocked micro-kernel with the next panel
-  prefetched). Measured on this machine's 2 cores over SmolLM2-135M's 120 decoder linears, weights
-  streamed from memory (benchmarks/cpu_linear.py): 1.6x oneDNN at 1 row, 1.8x at 5, 1.3x at 32, about
-  par at prefill's 2048 rows (0.85-1.18x by shape).
+- ``PanelLinearMethod`` (where kvfleet's C++ kernels build with vector code, ``LAYOUT_BY_ISA``): W [N, K] as
+  16-column panels [ceil(N / 16), K, 16] (``pack_panels``), multiplied by ``torch.ops.kvfleet.linear_packed_cpu``
+  (attention/csrc/linear_cpu.cpp: register-blocked micro-kernels, 12 rows x 2 panels in the AVX-512 build,
+  6 rows x 1 panel in the AVX2 build, rows packed k-major, the next panels prefetched).
 - ``PrepackedLinearMethod`` (the fallback without the C++ library or AVX2): oneDNN's inner product over a
   weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight``), what
   vLLM's CPU backend and Inductor's weight freezing do.
@@ -34,7 +32,7 @@ from .embedding import VocabEmbedding
 from .linear import Linear, UnquantizedLinearMethod
 
 
-PANEL = 16  # output columns per panel: two AVX2 registers (attention/csrc/linear_cpu.cpp)
+PANEL = 16  # output columns per panel: one AVX-512 or two AVX2 registers (attention/csrc/linear_cpu.cpp)
 
 
 class PrepackedLinearMethod(UnquantizedLinearMethod):
@@ -54,7 +52,7 @@ class PrepackedLinearMethod(UnquantizedLinearMethod):
 
 class PanelLinearMethod(PrepackedLinearMethod):
     """y = x Wᵀ + b with W held as ``layer.packed_weight`` [ceil(N / 16), K, 16] float32 (``pack_panels``)
-    and multiplied by kvfleet's AVX2 kernel. x: [..., K] float32 → [..., N] float32."""
+    and multiplied by kvfleet's AVX-512 or AVX2 kernel. x: [..., K] float32 → [..., N] float32."""
 
     @staticmethod
     def pack(w: torch.Tensor) -> torch.Tensor:
@@ -78,13 +76,23 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(p, PANEL, k).transpose(1, 2).contiguous()
 
 
+#: The float32 linear layout each kernel build runs fastest, measured with benchmarks/cpu_linear.py (SmolLM2-
+#: 135M's 120 decoder linears streamed from memory, 2 threads: rows 1-32 are decode) and
+#: benchmarks/offline_throughput.py (end to end), both printing the CPU they ran on:
+#:   x86-64-v4, Intel Xeon (Emerald Rapids, AVX-512 + AMX), 2026-12-06: panels 1.2-1.4x oneDNN at 1-32 rows,
+#:     0.8-1.0x at prefill's 256-2048 rows;
+#:   x86-64-v3, AMD EPYC (AVX2 build): 1.6x oneDNN at 1 row, 1.8x at 5, 1.3x at 32, 0.85-1.18x at 2048;
+#:   x86-64 (the portable build's scalar loops): 3-13x slower than oneDNN.
+#: A level not listed (armv8-a) takes oneDNN's layout.
+LAYOUT_BY_ISA = {"x86-64-v4": "panels", "x86-64-v3": "panels", "x86-64": "onednn"}
+
+
 def packed_method() -> type[PrepackedLinearMethod] | None:
-    """The packed layout this machine runs fastest: kvfleet's panels where its C++ kernels load in their
-    AVX2 build (x86-64-v3; the portable build's scalar loops are 3-13x slower than oneDNN), else oneDNN's
-    where torch has it, else None."""
+    """The packed layout this machine runs fastest (``LAYOUT_BY_ISA`` for the level of the kernels that
+    loaded), else oneDNN's where torch has it, else None."""
     from ...attention import cpu_ext
 
-    if cpu_ext.isa_level() == "x86-64-v3" and cpu_ext.load() is not None:
+    if LAYOUT_BY_ISA.get(cpu_ext.isa_level()) == "panels" and cpu_ext.load() is not None:
         return PanelLinearMethod
     return PrepackedLinearMethod if torch.backends.mkldnn.is_available() else None
 
