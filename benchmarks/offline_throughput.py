@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 
 import torch
-from _common import write_json
+from _common import print_cpu, write_json
 
 
 def matmul_ceiling(cfg, prompt_tokens: int, num_prompts: int, output_len: int, rows: int = 512) -> dict:
@@ -205,6 +205,7 @@ def main(argv=None) -> int:
     from kvfleet_server.config import resolve_model
 
     model_path = resolve_model(args.model)
+    print_cpu()
     prompts = make_prompts(args.num_prompts, args.min_len, args.max_len)
     load_before = os.getloadavg()
     res = {"workload": {"num_prompts": args.num_prompts, "prompt_len": [args.min_len, args.max_len],

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import httpx
 
+from _common import print_cpu
 from kvfleet_server.bench import make_dataset, run_benchmark
 
 #: (dataset, concurrency, input words, shared-prefix words, output tokens)
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "serving.json"),
                    help="JSON result path (default benchmarks/results/serving.json)")
     args = p.parse_args(argv)
+    cpu = print_cpu()
     configs = [(c.split("=", 1)[0], shlex.split(c.split("=", 1)[1]) if "=" in c else []) for c in args.config]
     configs = configs or [("kvfleet", args.server_arg)]
     rows = ISSUE16_ROWS if args.issue16_rows else [
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['itl_ms']['p99']:>9.1f}{s['e2e_ms']['p50']:>9.0f}{s['ratio_to_' + configs[0][0]]:>10.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"model": args.model, "repeats": args.repeats, "median_of": "output tok/s per row",
+        json.dump({"cpu": cpu, "model": args.model, "repeats": args.repeats, "median_of": "output tok/s per row",
                    "configs": results}, f, indent=1)
     return 0
 

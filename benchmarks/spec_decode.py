@@ -30,6 +30,7 @@ import sys
 import time
 
 import torch
+from _common import print_cpu
 
 OPEN = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
         "Explain why the sky is blue to a ten-year-old.", "Describe your ideal weekend in the mountains.",
@@ -150,6 +151,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "spec_decode.json"))
     args = ap.parse_args()
+    cpu = print_cpu()
     if args.quick:
         args.reps, args.max_tokens, args.min_seconds = 1, 32, 0.0
     if args.reps < 1:
@@ -217,7 +219,7 @@ def main() -> None:
         del eng
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(command=" ".join(["python"] + sys.argv), reps=args.reps, min_seconds=args.min_seconds,
+        json.dump(dict(cpu=cpu, command=" ".join(["python"] + sys.argv), reps=args.reps, min_seconds=args.min_seconds,
                        ratio="median over the pairs of runs of spec tok/s / plain tok/s (ABBA order)",
                        min_acceptance_floor=DraftGate.MIN_ACCEPTANCE,
                        max_tokens=args.max_tokens,

@@ -10,7 +10,7 @@
 // threads split the panels, each streaming one contiguous range with the next panels prefetched into L2
 // one 64-byte line per k, so the weight stream — what decode is bound by: every step reads every
 // weight — runs at the memory's rate. Prefill's many rows: the threads split the rows, and K is taken in
-// L1-sized chunks (run_panels).
+// chunks (run_panels) sized for the caches.
 //
 // Accumulation is float32 in k order, one FMA chain per output whatever the build, tile or thread count:
 // the result agrees with F.linear to float32 rounding (tests/server/test_cpu_linear.py checks it against
@@ -27,14 +27,28 @@
 
 #include <algorithm>
 #include <cstring>
+#include <unistd.h>
 #include <vector>
 
 #include "panel_tile.h"
 
 namespace {
 
-constexpr int64_t kMaxXBlockBytes = 256 * 1024;  // a chunk of rows of x held in L2 while every panel passes
-constexpr int64_t kKc = 256;                      // K per pass of a block: a panel's chunk is 16 KB (L1)
+constexpr int64_t kKc = 1024;  // K per pass at most (a pair of panels' chunk: 128 KB, from L2)
+
+// bytes of packed x each thread keeps in L2 while every panel passes over it: half the core's L2
+// (glibc reports it; 1 MB where it does not). Measured on the Xeon of cpu_prepack.LAYOUT_BY_ISA with
+// SmolLM2-135M's shapes at 2048 rows: 256 KB blocks 0.83x oneDNN, 1 MB 0.90x.
+int64_t x_block_bytes() {
+  static const int64_t bytes = [] {
+    long l2 = -1;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    return l2 > 0 ? std::max<int64_t>(128 * 1024, l2 / 2) : int64_t{1} << 20;
+  }();
+  return bytes;
+}
 using kvfleet_panel::kPanel;
 using kvfleet_panel::kRows;
 using kvfleet_panel::kTiles;
@@ -50,9 +64,9 @@ constexpr int kTileRows = kRows;
 // y [M, n] = x [M, K] . Wp (* scales) (+ bias) over P panels of K x 16 weights of type W, in GotoBLAS's
 // loop order. Rows are taken in blocks and packed k-major tile by tile (pack_rows: the micro-kernel's
 // broadcasts read one contiguous stream, GotoBLAS's packed A). Threads split the block's tiles when
-// there are many (prefill: each thread packs and reads its own rows and writes its own rows of y; K
-// in chunks of about kKc, so the panels' chunk stays in L1 while it passes over the thread's tiles,
-// whose chunk stays in L2), and the panels otherwise (decode: each thread streams its own contiguous
+// there are many (prefill: each thread packs and reads its own rows and writes its own rows of y, a
+// block of them held in L2; K in chunks of at most kKc, so the panels' chunk stays in L2 while it
+// passes over the thread's tiles), and the panels otherwise (decode: each thread streams its own contiguous
 // run of weights, the step's bottleneck, the next panels prefetched; K whole).
 template <typename W>
 void run_panels(const float* xp, int64_t M, int64_t K, const W* wptr, int64_t P, int64_t n, const float* sp,
@@ -62,7 +76,7 @@ void run_panels(const float* xp, int64_t M, int64_t K, const W* wptr, int64_t P,
   const bool split_rows = M >= 4 * rows * threads;
   const int64_t chunks = split_rows ? (K + kKc - 1) / kKc : 1, kc = (K + chunks - 1) / chunks;
   const int64_t block = std::max<int64_t>(
-      rows, (kMaxXBlockBytes * (split_rows ? threads : 1) / (kc * static_cast<int64_t>(sizeof(float)))) / rows * rows);
+      rows, (x_block_bytes() * (split_rows ? threads : 1) / (kc * static_cast<int64_t>(sizeof(float)))) / rows * rows);
   // the packed block, kept per calling thread across calls (at most a block's rows: a few MB), so a call
   // neither zero-fills nor page-faults a fresh buffer
   thread_local std::vector<float> packed;
