@@ -53,12 +53,19 @@ using kvfleet_panel::kPanel;
 using kvfleet_panel::kRows;
 using kvfleet_panel::kTiles;
 
+// The AVX-512 build packs rows k-major, runs two panels per micro-kernel call and splits prefill's rows
+// over the threads. The AVX2 and portable builds keep the layout they were measured fastest with on the
+// AMD EPYC (cpu_prepack.LAYOUT_BY_ISA): x read in place, one panel per call, panels split over the
+// threads, 192 KB blocks of rows (forcing the AVX2 build on the Xeon, packing and splitting rows were
+// 4 % slower end to end, benchmarks/offline_throughput.py).
 #ifdef KVFLEET_AVX512
 constexpr int kGroup = 2;                   // panels per micro-kernel call: tile2
 constexpr int kTileRows = kvfleet_panel::kRows2;
+constexpr bool kPackRows = true;
 #else
 constexpr int kGroup = 1;                   // tile
 constexpr int kTileRows = kRows;
+constexpr bool kPackRows = false;
 #endif
 
 // y [M, n] = x [M, K] . Wp (* scales) (+ bias) over P panels of K x 16 weights of type W, in GotoBLAS's
@@ -73,17 +80,19 @@ void run_panels(const float* xp, int64_t M, int64_t K, const W* wptr, int64_t P,
                 const float* bp, float* yp) {
   constexpr int rows = kTileRows;
   const int64_t threads = at::get_num_threads();
-  const bool split_rows = M >= 4 * rows * threads;
+  const bool split_rows = kPackRows && M >= 4 * rows * threads;
   const int64_t chunks = split_rows ? (K + kKc - 1) / kKc : 1, kc = (K + chunks - 1) / chunks;
   const int64_t block = std::max<int64_t>(
-      rows, (x_block_bytes() * (split_rows ? threads : 1) / (kc * static_cast<int64_t>(sizeof(float)))) / rows * rows);
+      rows, ((kPackRows ? x_block_bytes() : 192 * 1024) * (split_rows ? threads : 1) /
+             (kc * static_cast<int64_t>(sizeof(float)))) / rows * rows);
   // the packed block, kept per calling thread across calls (at most a block's rows: a few MB), so a call
   // neither zero-fills nor page-faults a fresh buffer
   thread_local std::vector<float> packed;
-  packed.resize(std::max(packed.size(), static_cast<size_t>(std::min(block, M) + rows) * K));
+  if (kPackRows) packed.resize(std::max(packed.size(), static_cast<size_t>(std::min(block, M) + rows) * K));
   float* const buf = packed.data();  // the lambdas run on other threads: their own thread_local is not this
   std::vector<int64_t> starts;
   auto pack = [&](int64_t t0, int64_t t1) {
+    if (!kPackRows) return;
     for (int64_t t = t0; t < t1; ++t) {
       kvfleet_panel::pack_rows(xp + starts[t] * K, K, static_cast<int>(starts[t + 1] - starts[t]), K,
                                buf + t * K * rows, rows);
@@ -96,13 +105,14 @@ void run_panels(const float* xp, int64_t M, int64_t K, const W* wptr, int64_t P,
     const W* w = wptr + p * K * kPanel + k0 * kPanel;
     const float* b = bp && last ? bp + p * kPanel : nullptr;
     const float* s = sp && last ? sp + p * kPanel : nullptr;
-    const float* x = buf + k0 * rows;
+    // tile t's rows from k0: packed (k-major, `rows` apart per k) or in place (rows K apart)
+    auto x_at = [&](int64_t t) { return kPackRows ? buf + t * K * rows + k0 * rows : xp + starts[t] * K + k0; };
 #ifdef KVFLEET_AVX512
     if (p + 1 < P) {
       const int ncols1 = static_cast<int>(std::min<int64_t>(kPanel, n - (p + 1) * kPanel));
       for (int64_t t = t0; t < t1; ++t) {
         const int mr = static_cast<int>(starts[t + 1] - starts[t]);
-        kvfleet_panel::kTiles2<W>[mr](x + t * K * rows, w, w + K * kPanel, k1 - k0, yp + starts[t] * n + p * kPanel,
+        kvfleet_panel::kTiles2<W>[mr](x_at(t), w, w + K * kPanel, k1 - k0, yp + starts[t] * n + p * kPanel,
                                       n, ncols1, b, s, t == t0 ? next : nullptr, k0 > 0);
       }
       return;
@@ -111,7 +121,7 @@ void run_panels(const float* xp, int64_t M, int64_t K, const W* wptr, int64_t P,
     const int ncols = static_cast<int>(std::min<int64_t>(kPanel, n - p * kPanel));
     for (int64_t t = t0; t < t1; ++t) {
       const int mr = static_cast<int>(starts[t + 1] - starts[t]);
-      kTiles<W, rows>[mr](x + t * K * rows, K, w, k1 - k0, yp + starts[t] * n + p * kPanel, n, ncols, b, s,
+      kTiles<W, kPackRows ? rows : 0>[mr](x_at(t), K, w, k1 - k0, yp + starts[t] * n + p * kPanel, n, ncols, b, s,
                           t == t0 ? next : nullptr, k0 > 0);
     }
   };
