@@ -11,7 +11,12 @@ budget (``max_num_batched_tokens``) per step:
 2. then waiting sequences in order, as long as budget, ``max_num_seqs`` and free blocks allow
    (a waiting sequence never preempts a running one); a sequence whose LoRA adapter can get no slot
    (``LoRAManager.acquire``: every ``--max-loras`` slot is held by other adapters' running sequences)
-   is skipped, keeping its place, and the ones behind it may go first (vLLM's rule).
+   is skipped, keeping its place, and the ones behind it may go first (vLLM's rule). So is, with prefix
+   caching, a sequence whose first uncached full block is being computed right now by a running
+   sequence (the same chained block hash, not yet published): it waits for those blocks to land in
+   the cache instead of computing the same prefix again — SGLang's in-batch prefix caching. Four
+   requests arriving together with one long system prompt compute it once, not four times
+   (``_inflight_hashes``, ``_waits_for_inflight``).
 
 A sequence samples a token in a step when that step computes its last known token. Speculative decoding
 reserves draft slots afterwards from what is left of the budget (``SpecDecoder.reserve``).
@@ -116,6 +121,25 @@ class Scheduler:
         # a published block triggers copy-on-write (kv_cache.allocate_slots).
         return min(cached, len(tokens) - 1), copy, pinned
 
+    def _unpublished_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of ``seq``'s full blocks (of the tokens it knows) not published yet: the blocks it is
+        computing, or will compute, itself."""
+        full = len(seq.token_ids) // self.block_size
+        return seq.full_block_hashes(self.block_size, full)[seq.num_published_blocks:] if full else []
+
+    def _inflight_hashes(self) -> set[bytes]:
+        return {h for seq in self.running for h in self._unpublished_hashes(seq)}
+
+    def _waits_for_inflight(self, seq: Sequence, inflight: set[bytes]) -> bool:
+        """Whether ``seq``'s first full block missing from the cache is one a running sequence is
+        computing (same chained hash: the same tokens, adapter and salt from the start)."""
+        if not inflight:
+            return False
+        for h in seq.full_block_hashes(self.block_size, len(seq.token_ids) // self.block_size):
+            if self.kv.pool.lookup(h) is None:
+                return h in inflight
+        return False
+
     def publish_computed_blocks(self, seq: Sequence) -> None:
         """Publish the sequence's full blocks whose K/V are now computed (called after a step)."""
         if not self.enable_prefix_caching:
@@ -155,6 +179,7 @@ class Scheduler:
         if out.preempted:
             return out
         skipped: list[Sequence] = []
+        inflight: set[bytes] | None = None  # built on first need, extended by each sequence scheduled below
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             req = seq.request
@@ -168,6 +193,11 @@ class Scheduler:
             # prompt_logprobs need logits at every prompt position: such requests skip the cache lookup
             if (self.enable_prefix_caching and req.params.prompt_logprobs is None
                     and seq.num_computed_tokens == 0 and seq.seq_id not in self.kv.block_tables):
+                inflight = self._inflight_hashes() if inflight is None else inflight
+                if self._waits_for_inflight(seq, inflight):  # its prefix lands in the cache soon: wait for it
+                    self.lora.release(seq)
+                    skipped.append(self.waiting.popleft())
+                    continue
                 cached, pcopy, pinned = self._lookup_prefix(seq)
             seq.num_computed_tokens = cached
             num_new = min(seq.num_uncomputed, budget)
@@ -190,6 +220,8 @@ class Scheduler:
                 req.num_cached_tokens = cached
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            if inflight is not None:
+                inflight.update(self._unpublished_hashes(seq))
             out.scheduled.append(ScheduledSeq(seq, num_new))
             out.copies.extend(copies)
             budget -= num_new
