@@ -4,9 +4,11 @@ of decode (1, 8, 32), draft verification (5) and prefill (256, 2048).
 
     python benchmarks/cpu_linear.py [--threads 2] [--repeats 30]
 
-Two tables: one shape at a time (its weights stay in the CPU's caches between calls), and all 120
+Three tables: one shape at a time (its weights stay in the CPU's caches between calls); all 120
 decoder linears of the model in a row (the weights stream from memory, as in a decode step: GB/s is
-weight bytes over time). Median of ``--repeats`` calls (of 5 passes for the streamed table); max
+weight bytes over time); and a bfloat16 model's linears (``F.linear`` in bfloat16, which torch hands to
+oneDNN: AMX tiles where the CPU has them, AVX512-BF16 or converted float32 otherwise) against float32,
+in GFLOP/s. Median of ``--repeats`` calls (of 5 passes for the streamed table); max
 relative error against float64.
 """
 
@@ -69,6 +71,18 @@ def main() -> None:
                                 max(5, args.repeats // 6)) for kn in names}
         print(f"{m:5d} " + " ".join(f"{t[kn] * 1e3:12.1f} {nbytes / t[kn] / 1e9:6.1f}" for kn in names) + " "
               + " ".join(f"{t['oneDNN'] / t[kn]:15.2f}x" for kn in names if kn != "oneDNN"))
+    print("\nbfloat16 model (F.linear in bfloat16: oneDNN, AMX where the CPU has amx_bf16) vs float32 F.linear, GFLOP/s:")
+    print(f"{'shape':14s} {'rows':>5s} {'float32':>9s} {'bfloat16':>9s} {'bf16/f32':>9s}")
+    for name, k, n in SHAPES[:4]:
+        w = torch.randn(n, k) / k ** 0.5
+        wb = w.bfloat16()
+        for m in (8, 256, 2048):
+            x = torch.randn(m, k)
+            xb = x.bfloat16()
+            t32 = median_seconds(lambda: F.linear(x, w), args.repeats)
+            t16 = median_seconds(lambda: F.linear(xb, wb), args.repeats)
+            flops = 2 * m * k * n
+            print(f"{name:14s} {m:5d} {flops / t32 / 1e9:9.0f} {flops / t16 / 1e9:9.0f} {t32 / t16:8.2f}x")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def test_same_bits_whatever_the_thread_count():
     w = torch.randn(3072 + 24, 576, generator=g)  # an odd number of panels: pairs and a single one
     before = torch.get_num_threads()
     try:
-        for m in (9, 60, 150):  # 60 rows: split by rows (K in chunks) on 1 thread, by panels on 2
+        for m in (9, 60, 150):  # 60 rows: the AVX-512 build splits rows on 1 thread, panels on 2
             x = torch.randn(m, 576, generator=g)
             torch.set_num_threads(1)
             one = op(x, w)
@@ -74,6 +74,12 @@ def test_same_bits_whatever_the_thread_count():
             assert torch.equal(one, two), m
             # and the same bits as the rows one at a time (decode's path: one tile, K whole)
             assert torch.equal(one, torch.cat([op(x[i:i + 1], w) for i in range(m)]))
+        # K = 2049: the AVX-512 build's split by rows takes K in 3 passes, partial sums stored and reloaded
+        w2, x2 = torch.randn(40, 2049, generator=g), torch.randn(150, 2049, generator=g)
+        torch.set_num_threads(1)
+        one = op(x2, w2)
+        torch.set_num_threads(2)
+        assert torch.equal(one, op(x2, w2)) and torch.equal(one, torch.cat([op(x2[i:i + 1], w2) for i in range(150)]))
     finally:
         torch.set_num_threads(before)
 

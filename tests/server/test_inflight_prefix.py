@@ -84,3 +84,32 @@ def test_a_waiting_request_whose_prefix_owner_is_aborted_computes_it_itself(tiny
     out = run_to_completion(eng, first_outputs=first)
     assert out["waiter"].outputs[0].token_ids == solo[1]
     assert_all_blocks_free(eng)
+
+
+def test_a_waiter_keeps_its_seat_and_short_shared_headers_do_not_wait(tiny_llama_dir):
+    # max_num_seqs 2: the owner runs, the waiter holds the second seat, a later unrelated request waits
+    eng = make(tiny_llama_dir, max_num_seqs=2).engine
+    long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    eng.add_request("owner", PREFIX + SUFFIXES[0], long)
+    eng.add_request("waiter", PREFIX + SUFFIXES[1], GREEDY)
+    eng.add_request("later", [9, 8, 7, 6, 5], long)
+    first_token_step = {}
+    for step in range(1, 200):
+        if not eng.has_unfinished():
+            break
+        for o in eng.step():
+            if o.outputs[0].token_ids:
+                first_token_step.setdefault(o.request_id, step)
+    assert first_token_step["owner"] == 1 and first_token_step["waiter"] == 2  # not after the owner's 30 tokens
+    assert first_token_step["later"] > 2
+    assert_all_blocks_free(eng)
+
+    # a common header shorter than INFLIGHT_MIN_TOKENS (here 7 blocks of 4 = 28 tokens) is not worth a step
+    eng = make(tiny_llama_dir).engine
+    header = PREFIX[:28]
+    for i, s in enumerate(SUFFIXES):
+        eng.add_request(f"h{i}", header + s * 5, GREEDY)
+    first = eng.step()
+    assert eng.get_stats().num_waiting == 0 and len(first) == 4
+    run_to_completion(eng, first_outputs=first)
+    assert_all_blocks_free(eng)

@@ -88,8 +88,9 @@ def isa_level() -> str:
 
 
 def cpu_description() -> str:
-    """The CPU model and the instruction-set flags that pick kvfleet's kernels, for benchmark output:
-    e.g. ``Intel(R) Xeon(R) Processor [avx2 avx512f avx512_bf16 amx_bf16 ...] (2 threads)``."""
+    """The CPU model, its vector flags and the kernel build this process loads (``KVFLEET_CPU_ISA``
+    included), for benchmark output: e.g. ``Intel(R) Xeon(R) Processor [amx_bf16 ... avx2 avx512f ...]
+    (2 CPUs, kernels built for x86-64-v4)``."""
     model = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -230,19 +231,36 @@ def _ensure_ninja_on_path() -> None:
 def build_only(level: str) -> str:
     """Build the library for ``level`` without loading it — a container image's build stage builds
     every level of its architecture, so that the image runs its best build on whatever CPU a node has.
-    Returns the build folder. Uses ``cpp_extension``'s ninja builder (torch is pinned: its signature is
-    stable for the pinned version); raises when the build fails."""
+    Returns the build folder. Uses ``cpp_extension``'s (private) ninja builder, passing the arguments
+    this torch's version takes, under the build folder's lock as ``cpp_extension.load`` does; raises when
+    the build fails."""
+    import inspect
+
     from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
 
     _ensure_ninja_on_path()
     name = _name(level)
     path = build_directory(name)
-    if not os.path.isfile(os.path.join(path, f"{name}.ok")):
-        cpp_extension._write_ninja_file_and_build_library(
-            name=name, sources=[str(f) for f in SOURCES], extra_cflags=_cflags(level), extra_cuda_cflags=[],
-            extra_sycl_cflags=[], extra_ldflags=["-fopenmp"], extra_include_paths=[], build_directory=path,
-            verbose=False, with_cuda=False, with_sycl=False)
-        _mark_built(path, name)
+    _clear_stale_lock(path)
+    baton = FileBaton(os.path.join(path, "lock"))  # the lock cpp_extension.load takes: one build per folder
+    if baton.try_acquire():
+        try:
+            if not os.path.isfile(os.path.join(path, f"{name}.ok")):
+                build = cpp_extension._write_ninja_file_and_build_library
+                kwargs = dict(name=name, sources=[str(f) for f in SOURCES], extra_cflags=_cflags(level),
+                              extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=["-fopenmp"],
+                              extra_include_paths=[], build_directory=path, verbose=False, with_cuda=False,
+                              with_sycl=False)
+                accepted = inspect.signature(build).parameters  # torch versions differ (SYCL arguments)
+                build(**{k: v for k, v in kwargs.items() if k in accepted})
+                _mark_built(path, name)
+        finally:
+            baton.release()
+    else:
+        baton.wait()  # another process builds it
+        if not os.path.isfile(os.path.join(path, f"{name}.ok")):
+            raise RuntimeError(f"the concurrent build of {name} in {path} did not finish")
     return path
 
 

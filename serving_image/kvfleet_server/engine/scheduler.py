@@ -13,10 +13,13 @@ budget (``max_num_batched_tokens``) per step:
    (``LoRAManager.acquire``: every ``--max-loras`` slot is held by other adapters' running sequences)
    is skipped, keeping its place, and the ones behind it may go first (vLLM's rule). So is, with prefix
    caching, a sequence whose first uncached full block is being computed right now by a running
-   sequence (the same chained block hash, not yet published): it waits for those blocks to land in
-   the cache instead of computing the same prefix again — SGLang's in-batch prefix caching. Four
-   requests arriving together with one long system prompt compute it once, not four times
-   (``_inflight_hashes``, ``_waits_for_inflight``).
+   sequence (the same chained block hash, not yet published) and shares at least ``INFLIGHT_MIN_TOKENS``
+   more of it: it waits for those blocks to land in the cache instead of computing the same prefix
+   again — SGLang's in-batch prefix caching (its threshold is 32 tokens too). Four requests arriving
+   together with one long system prompt compute it once, not four times; a short common header (a chat
+   template's first block) is not worth a step's wait. A waiting sequence keeps its seat: the ones
+   behind it are admitted only within ``max_num_seqs`` minus the waiters' seats (``_inflight_hashes``,
+   ``_waits_for_inflight``).
 
 A sequence samples a token in a step when that step computes its last known token. Speculative decoding
 reserves draft slots afterwards from what is left of the budget (``SpecDecoder.reserve``).
@@ -34,6 +37,9 @@ from ..sequence import ScheduledSeq, SchedulerOutput, Sequence, SeqStatus
 
 class Scheduler:
     """Decides, each step, which sequences compute how many tokens (see module docstring)."""
+
+    #: a waiting sequence waits for a running one's blocks only when they would save it this many tokens
+    INFLIGHT_MIN_TOKENS = 32
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_prefix_caching: bool, partial_block_matching: bool = True, lora: LoRAManager | None = None):
@@ -131,13 +137,20 @@ class Scheduler:
         return {h for seq in self.running for h in self._unpublished_hashes(seq)}
 
     def _waits_for_inflight(self, seq: Sequence, inflight: set[bytes]) -> bool:
-        """Whether ``seq``'s first full block missing from the cache is one a running sequence is
-        computing (same chained hash: the same tokens, adapter and salt from the start)."""
+        """Whether ``seq``'s first full blocks missing from the cache — at least ``INFLIGHT_MIN_TOKENS``
+        of them — are ones a running sequence is computing (same chained hash: the same tokens, adapter
+        and salt from the start)."""
         if not inflight:
             return False
+        shared = 0
         for h in seq.full_block_hashes(self.block_size, len(seq.token_ids) // self.block_size):
-            if self.kv.pool.lookup(h) is None:
-                return h in inflight
+            if shared == 0 and self.kv.pool.lookup(h) is not None:
+                continue  # cached already
+            if h not in inflight:
+                break
+            shared += self.block_size
+            if shared >= self.INFLIGHT_MIN_TOKENS:
+                return True
         return False
 
     def publish_computed_blocks(self, seq: Sequence) -> None:
@@ -179,25 +192,28 @@ class Scheduler:
         if out.preempted:
             return out
         skipped: list[Sequence] = []
+        held = 0  # seats of the sequences waiting for in-flight blocks: kept for them
         inflight: set[bytes] | None = None  # built on first need, extended by each sequence scheduled below
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             req = seq.request
             seats = 1 if req.forked else req.params.n
-            if len(self.running) + seats > self.max_num_seqs:
+            if len(self.running) + held + seats > self.max_num_seqs:
                 break
+            # prompt_logprobs need logits at every prompt position: such requests skip the cache lookup
+            lookup = (self.enable_prefix_caching and req.params.prompt_logprobs is None
+                      and seq.num_computed_tokens == 0 and seq.seq_id not in self.kv.block_tables)
+            if lookup:
+                inflight = self._inflight_hashes() if inflight is None else inflight
+                if self._waits_for_inflight(seq, inflight):  # its prefix lands in the cache soon: wait for it
+                    held += seats
+                    skipped.append(self.waiting.popleft())
+                    continue
             if not self.lora.acquire(seq):  # its adapter can get no slot now: keep its place, try the next
                 skipped.append(self.waiting.popleft())
                 continue
             cached, pcopy, pinned = 0, None, None
-            # prompt_logprobs need logits at every prompt position: such requests skip the cache lookup
-            if (self.enable_prefix_caching and req.params.prompt_logprobs is None
-                    and seq.num_computed_tokens == 0 and seq.seq_id not in self.kv.block_tables):
-                inflight = self._inflight_hashes() if inflight is None else inflight
-                if self._waits_for_inflight(seq, inflight):  # its prefix lands in the cache soon: wait for it
-                    self.lora.release(seq)
-                    skipped.append(self.waiting.popleft())
-                    continue
+            if lookup:
                 cached, pcopy, pinned = self._lookup_prefix(seq)
             seq.num_computed_tokens = cached
             num_new = min(seq.num_uncomputed, budget)

@@ -12,9 +12,10 @@
 // weight — runs at the memory's rate. Prefill's many rows: the threads split the rows, and K is taken in
 // chunks (run_panels) sized for the caches.
 //
-// Accumulation is float32 in k order, one FMA chain per output whatever the build, tile or thread count:
-// the result agrees with F.linear to float32 rounding (tests/server/test_cpu_linear.py checks it against
-// float64), and the AVX-512 and AVX2 builds give the same bits (tests/server/test_cpu_isa_variants.py).
+// Accumulation is float32 in k order, one FMA chain per output in either vector build, whatever the tile
+// or thread count (the portable build multiplies and adds separately): the result agrees with F.linear
+// to float32 rounding (tests/server/test_cpu_linear.py checks it against float64), and the AVX-512 and
+// AVX2 builds give the same bits (tests/server/test_cpu_isa_variants.py).
 //
 // Registered as torch.ops.kvfleet.linear_packed_cpu(x, wp, n, bias) -> Tensor; the packing is
 // model/layers/cpu_prepack.py's pack_panels. The same loops serve int8 weights (--quantization int8 on
@@ -85,11 +86,20 @@ void run_panels(const float* xp, int64_t M, int64_t K, const W* wptr, int64_t P,
   const int64_t block = std::max<int64_t>(
       rows, ((kPackRows ? x_block_bytes() : 192 * 1024) * (split_rows ? threads : 1) /
              (kc * static_cast<int64_t>(sizeof(float)))) / rows * rows);
-  // the packed block, kept per calling thread across calls (at most a block's rows: a few MB), so a call
-  // neither zero-fills nor page-faults a fresh buffer
-  thread_local std::vector<float> packed;
-  if (kPackRows) packed.resize(std::max(packed.size(), static_cast<size_t>(std::min(block, M) + rows) * K));
-  float* const buf = packed.data();  // the lambdas run on other threads: their own thread_local is not this
+  // the packed block: up to kKeepFloats kept per calling thread across calls, so a call neither
+  // zero-fills nor page-faults a fresh buffer; a larger block (many threads, large K) gets a buffer of
+  // its own for this call
+  constexpr size_t kKeepFloats = size_t{4} << 20;  // 16 MB
+  const size_t need = kPackRows ? static_cast<size_t>(std::min(block, M) + rows) * K : 0;
+  thread_local std::vector<float> kept;
+  std::vector<float> once;
+  if (need <= kKeepFloats) {
+    if (kept.size() < need) kept.resize(need);
+  } else {
+    once.resize(need);
+  }
+  float* const buf = need <= kKeepFloats ? kept.data() : once.data();  // the lambdas run on other threads:
+                                                                         // their own thread_local is not this
   std::vector<int64_t> starts;
   auto pack = [&](int64_t t0, int64_t t1) {
     if (!kPackRows) return;

@@ -23,10 +23,10 @@ using kvfleet_attn::softmax_numerator;
 //
 // Row i of the span attends the first prefix + i + 1 tokens. The per-row kernel above reads every key
 // and value once per row; a span of R rows instead shares them: per kv head its keys are transposed
-// once into 16-key panels [ceil(L / 16), D, 16] (L: the last row's context), then each tile of up to 6
-// of the span's R x G query vectors (G heads per kv head) computes its scores as a 6 x 16
-// register-blocked product per panel (panel_tile.h, shared with the panel linear: per d two loads, six
-// broadcasts, twelve FMAs), soft-maxes each vector over its own context, and accumulates V, 16 of the D
+// once into 16-key panels [ceil(L / 16), D, 16] (L: the last row's context), then each tile of up to
+// kRows (AVX2: 6, AVX-512: 14) of the span's R x G query vectors (G heads per kv head) computes its
+// scores as a kRows x 16 register-blocked product per panel (panel_tile.h's tile, shared with the panel
+// linear), soft-maxes each vector over its own context, and accumulates V, 16 of the D
 // values at a time, from the value panels. float32 query and cache only (the caller's choice). The P.V
 // pass of a tile runs over its last vector's context with zero weights past each vector's own, so a NaN
 // or inf in the value of position t reaches the rows that attend t and also the earlier rows of the

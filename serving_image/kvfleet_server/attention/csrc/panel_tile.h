@@ -9,8 +9,8 @@
 //   - AVX2 + FMA (x86-64-v3): 6 rows x 16 columns, 12 ymm accumulators, per k two loads of the panel,
 //     six broadcasts of x and twelve FMAs;
 //   - portable: the same sums in scalar loops.
-// Every build accumulates each output in float32 in k order with one FMA per term, so the AVX-512 and
-// AVX2 tiles give the same bits.
+// Both vector builds accumulate each output in float32 in k order with one FMA per term, so the AVX-512
+// and AVX2 tiles give the same bits (the portable build's scalar loops multiply and add separately).
 #pragma once
 
 #include <cstdint>
