@@ -102,6 +102,19 @@ inline void load_w(const int8_t* w, __m256& w0, __m256& w1) {
 // partial sums of the k before, stored by a call with null bias and scale: float32 stored and reloaded
 // exactly, so splitting K gives the same bits). The accumulators are named locals (an array of them is
 // spilled to the stack every k by GCC).
+// the k loop of tile's vector builds around KVFLEET_STEP, with `next`'s line k prefetched when given
+#define KVFLEET_K_LOOP                                                              \
+  if (next) {                                                                       \
+    for (int64_t k = 0; k < K; ++k) {                                               \
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1); \
+      KVFLEET_STEP                                                                  \
+    }                                                                               \
+  } else {                                                                          \
+    for (int64_t k = 0; k < K; ++k) {                                               \
+      KVFLEET_STEP                                                                  \
+    }                                                                               \
+  }
+
 template <int MR, typename W, int XS = 0>
 inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, int64_t ldy, int ncols,
                  const float* bias, const float* scale, const W* next, bool acc_in = false) {
@@ -124,16 +137,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, i
   const __m512 w0 = load_w16(w + k * kPanel);                                                          \
   KVFLEET_ROW(0) KVFLEET_ROW(1) KVFLEET_ROW(2) KVFLEET_ROW(3) KVFLEET_ROW(4) KVFLEET_ROW(5) KVFLEET_ROW(6) \
   KVFLEET_ROW(7) KVFLEET_ROW(8) KVFLEET_ROW(9) KVFLEET_ROW(10) KVFLEET_ROW(11) KVFLEET_ROW(12) KVFLEET_ROW(13)
-  if (next) {
-    for (int64_t k = 0; k < K; ++k) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
-      KVFLEET_STEP
-    }
-  } else {
-    for (int64_t k = 0; k < K; ++k) {
-      KVFLEET_STEP
-    }
-  }
+  KVFLEET_K_LOOP
 #undef KVFLEET_STEP
 #undef KVFLEET_ROW
 #define KVFLEET_STORE(r) \
@@ -163,16 +167,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, i
   __m256 w0, w1;                                                           \
   load_w(w + k * kPanel, w0, w1);                                          \
   KVFLEET_ROW(0) KVFLEET_ROW(1) KVFLEET_ROW(2) KVFLEET_ROW(3) KVFLEET_ROW(4) KVFLEET_ROW(5)
-  if (next) {
-    for (int64_t k = 0; k < K; ++k) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + k * kPanel), _MM_HINT_T1);
-      KVFLEET_STEP
-    }
-  } else {
-    for (int64_t k = 0; k < K; ++k) {
-      KVFLEET_STEP
-    }
-  }
+  KVFLEET_K_LOOP
 #undef KVFLEET_STEP
 #undef KVFLEET_ROW
   store_row(y, c00, c01, ncols, bias, scale);
@@ -195,6 +190,7 @@ inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* y, i
 #endif
 #undef KVFLEET_XAT
 }
+#undef KVFLEET_K_LOOP
 
 // rows x[0:mr, 0:K] (ldx apart) → dst[k * xs + r]: the k-major layout of tile<MR, W, xs> and tile2
 inline void pack_rows(const float* x, int64_t ldx, int mr, int64_t K, float* dst, int xs) {
