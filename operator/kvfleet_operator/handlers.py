@@ -17,7 +17,8 @@ the API server). One pass (``reconcile``), under the object's lock:
    path); a spec that cannot be realised -> status Degraded=True with reason and message, no child
    touched, ``kopf.PermanentError`` (no retry until the spec changes);
    the hf:// and s3:// model sources are pinned once per generation (``weights.pin_sources``);
-2. read the live children; one that exists but is controlled by something else, or is not labelled
+2. read the live children (not those that no pass and no watch event has seen: ``observed``; creating
+   one of them answered 409 starts the pass over, reading it); one that exists but is controlled by something else, or is not labelled
    as this InferenceService's, is a conflict (Degraded ``ChildConflict``, retried with backoff so
    that removing the object in the way is enough) — the operator never takes over objects it did
    not create; orphans it did create (``--cascade=orphan``) are adopted;
@@ -35,6 +36,9 @@ the API server). One pass (``reconcile``), under the object's lock:
    (``FailedCreate``: quota, admission webhook, Pod Security); a failed download makes Degraded=True too, and ModelReady says Downloading (bytes) / Loading / Ready
    (``model_status``);
 5. write the status subresource only when it changed.
+
+A watch event of a Deployment, Service or PDB version that a completed pass has already read (the echo
+of the operator's own write, or one delivered while a pass read it) starts no pass (``observed``).
 
 API errors raise ``kopf.TemporaryError`` with exponential backoff (1, 2, 4 … 60 s). The
 InferenceService's spec and user metadata are never written; kopf's own state lives in
@@ -56,8 +60,8 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, cache, child_write, kube, memory, metrics, model_status, peering, pods, render, resolve, routing, \
-    routing_sync, strict, weights
+from . import api, apply, cache, child_write, kube, memory, metrics, model_status, observed, peering, pods, render, resolve, \
+    routing, routing_sync, strict, weights
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -66,6 +70,7 @@ CHILD_FILTER = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
 MANAGED = ",".join(f"{k}={v}" for k, v in CHILD_FILTER.items())  # the same, as a label selector
 CHILDREN = (("deployment", "apps/v1", "deployments"), ("service", "v1", "services"),
             ("pdb", "policy/v1", "poddisruptionbudgets"))
+CHILD_PLURALS = tuple(plural for _, _, plural in CHILDREN)  # named after their InferenceService (``observed``)
 CHILD_EVENT_ATTEMPTS = 6  # backoff 1+2+4+8+16+32 s before giving up on a child event
 CHILD_FAILURE_REPORTED_AT_RETRY = 1  # a child write failing twice in a row is Degraded (one blip is not)
 CHILD_WRITE_REASONS = ("ChildCreateFailed", "ChildUpdateFailed")
@@ -160,9 +165,13 @@ def _queued_pass(namespace: str, name: str) -> _Lock | None:
     return entry if entry is not None and entry.queued > 0 else None
 
 
+class _ChildExists(Exception):
+    """A create of a child that no pass or watch event had seen (so it was not read) was answered 409."""
+
+
 async def reconcile(namespace: str, name: str, logger: logging.Logger | logging.LoggerAdapter, retry: int = 0,
                     only_if: Callable[[dict[str, Any]], bool] | None = None,
-                    coalesce: bool = False) -> dict[str, Any]:
+                    coalesce: bool = False, news: Callable[[], bool] | None = None) -> dict[str, Any]:
     """One reconcile pass of InferenceService ``namespace/name``; returns the status patch written
     ({} if none, or if the object is gone, being deleted, or fails ``only_if``).
 
@@ -173,6 +182,8 @@ async def reconcile(namespace: str, name: str, logger: logging.Logger | logging.
     true (a trigger that matters only in some states). ``coalesce``: a child event's pass, which is
     dropped when another such pass already waits for the lock: that one reads everything after this
     event and so covers it (a burst of a rollout's events costs one queued pass, not one each).
+    ``news()``: asked once the lock is held, before any request; False skips the pass (a child event
+    whose version a pass completed since has read: ``observed.pending``).
 
     Raises Degraded (spec unrealisable or child conflict, already reported) or kube.ApiError (a
     child write refused, reported once persistent; any other API failure)."""
@@ -183,13 +194,23 @@ async def reconcile(namespace: str, name: str, logger: logging.Logger | logging.
         metrics.RECONCILES.labels(result="coalesced").inc()
         return {}
     async with object_lock(namespace, name, queued=queue):
+        if news is not None and not news():
+            metrics.RECONCILES.labels(result="unchanged").inc()
+            return {}
         obj = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
+            observed.forget(namespace, name, CHILD_PLURALS)
             return {}  # gone or going: the garbage collector removes the children, nothing to reconcile
         if only_if is not None and not only_if(obj):
             return {}
         try:
-            written = await _reconcile(client, obj, namespace, name, logger, retry)
+            try:
+                written = await _reconcile(client, obj, namespace, name, logger, retry)
+            except _ChildExists:  # start over, reading the child this pass did not know of
+                obj = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
+                if obj is None or obj["metadata"].get("deletionTimestamp"):
+                    return {}
+                written = await _reconcile(client, obj, namespace, name, logger, retry)
             metrics.RECONCILES.labels(result="success").inc()
             return written
         except render.Unrealisable as exc:
@@ -213,7 +234,12 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
                              kubernetes_version=version)  # Unrealisable first, before any request
     pins = await weights.pin_sources(obj, spec)  # once per generation; Unrealisable names the field
     uid = obj["metadata"].get("uid")
-    live = {kind: await client.get(av, plural, namespace, name) for kind, av, plural in CHILDREN}
+    # a child no pass and no watch event has seen is not read: it is created, and a 409 starts over
+    unread = {kind for kind, _, plural in CHILDREN if not observed.known(namespace, name, plural)}
+    live = {kind: None if kind in unread else await client.get(av, plural, namespace, name)
+            for kind, av, plural in CHILDREN}
+    for kind, _, plural in CHILDREN:
+        observed.seen(namespace, name, plural, live[kind])
     live_replicas = ((live["deployment"] or {}).get("spec") or {}).get("replicas") \
         if spec.autoscaling.enabled else None
     replicas = render.desired_replicas(spec, live_replicas, (obj.get("status") or {}).get("desiredReplicas"))
@@ -247,7 +273,11 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
         try:
             result[kind] = await child_write.write(client, logger, action, body, have, av, plural, namespace,
                                                    name, what, label=kind)
+            observed.seen(namespace, name, plural, result[kind])
         except kube.ApiError as exc:
+            if exc.status == 409 and kind in unread:
+                observed.seen(namespace, name, plural, {})
+                raise _ChildExists() from None
             logger.warning(f"{action} of {what} {namespace}/{name} failed: {exc}")
             result[kind] = have
             if error is None:
@@ -291,6 +321,7 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
     written = await _write_status(client, obj, new)
     if error is not None:
         raise error
+    observed.accounted(namespace, name, {plural: result.get(kind) for kind, _, plural in CHILDREN})
     return written
 
 
@@ -336,14 +367,17 @@ def plain_copy(body: Any) -> dict[str, Any]:
 
 
 async def _child_event(namespace: str | None, owner: str | None, logger: logging.Logger,
-                       only_if: Callable[[dict[str, Any]], bool] | None = None) -> None:
+                       only_if: Callable[[dict[str, Any]], bool] | None = None,
+                       news: Callable[[], bool] | None = None) -> None:
     """Reconcile InferenceService ``namespace/owner`` after one of its children changed, retrying API
-    errors with backoff (``CHILD_EVENT_ATTEMPTS``)."""
+    errors with backoff (``CHILD_EVENT_ATTEMPTS``). ``news``: see ``reconcile`` (first attempt only: a
+    failed pass may have read the versions it asks about)."""
     if owner is None or namespace is None:
         return
     for attempt in range(CHILD_EVENT_ATTEMPTS):
         try:
-            await reconcile(namespace, owner, logger, retry=attempt, only_if=only_if, coalesce=attempt == 0)
+            await reconcile(namespace, owner, logger, retry=attempt, only_if=only_if, coalesce=attempt == 0,
+                            news=news if attempt == 0 else None)
             return
         except Degraded:
             return  # reported in the owner's status; kopf's handler retries or waits for a spec change
@@ -409,22 +443,40 @@ def _controller(body: kopf.Body) -> tuple[str | None, str | None]:
 
 
 @kopf.on.event(api.GROUP, api.VERSION, api.PLURAL, when=lambda event, **_: event.get("type") == "DELETED")
-async def deleted(**_: Any) -> None:
-    """An InferenceService is gone (its children follow by garbage collection): once a burst of deletions
-    is over, give the freed memory back to the operating system (``memory``)."""
+async def deleted(body: kopf.Body, **_: Any) -> None:
+    """An InferenceService is gone (its children follow by garbage collection): forget what is known of
+    its children and, once a burst of deletions is over, give the freed memory back to the operating
+    system (``memory``)."""
+    meta = body.get("metadata", {})
+    observed.forget(meta.get("namespace") or "default", meta.get("name", ""), CHILD_PLURALS)
     memory.trim_soon()
 
 
+async def _named_child_event(body: kopf.Body, event: dict[str, Any], plural: str, logger: logging.Logger) -> None:
+    """A Deployment, Service or PDB named after its controlling InferenceService changed: reconcile the
+    owner unless a pass has already read this version (``observed``: the echo of the operator's own
+    write, or an event delivered while a pass read it)."""
+    namespace, owner = _controller(body)
+    meta = body.get("metadata", {})
+    if owner is None or namespace is None or meta.get("name") != owner:
+        await _child_event(namespace, owner, logger)
+        return
+    if not observed.watched(namespace, owner, plural, meta.get("resourceVersion"), event.get("type") == "DELETED"):
+        metrics.RECONCILES.labels(result="unchanged").inc()
+        return
+    await _child_event(namespace, owner, logger, news=lambda: observed.pending(namespace, owner, CHILD_PLURALS))
+
+
 @kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)
-async def deployment_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+async def deployment_event(body: kopf.Body, event: dict[str, Any], logger: logging.Logger, **_: Any) -> None:
     """An owned Deployment changed (rollout progress, ReplicaFailure, edits, deletion): reconcile its owner."""
-    await _child_event(*_controller(body), logger)
+    await _named_child_event(body, event, "deployments", logger)
 
 
 @kopf.on.event("", "v1", "services", labels=CHILD_FILTER)
-async def service_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+async def service_event(body: kopf.Body, event: dict[str, Any], logger: logging.Logger, **_: Any) -> None:
     """An owned Service changed or was deleted: reconcile its owner."""
-    await _child_event(*_controller(body), logger)
+    await _named_child_event(body, event, "services", logger)
 
 
 @kopf.on.event("batch", "v1", "jobs", labels=CHILD_FILTER)
@@ -446,9 +498,9 @@ async def model_progress(body: kopf.Body, logger: logging.Logger, **_: Any) -> N
 
 
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILD_FILTER)
-async def pdb_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+async def pdb_event(body: kopf.Body, event: dict[str, Any], logger: logging.Logger, **_: Any) -> None:
     """An owned PodDisruptionBudget changed or was deleted: reconcile its owner."""
-    await _child_event(*_controller(body), logger)
+    await _named_child_event(body, event, "poddisruptionbudgets", logger)
 
 
 @kopf.on.event("inference.networking.k8s.io", "v1", "inferencepools", labels=CHILD_FILTER)

@@ -35,6 +35,8 @@ from typing import Any
 import aiohttp
 import kopf
 
+from . import metrics
+
 POOL_SIZE = 64  # concurrent requests (the API server's default --max-requests-inflight is 400)
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 60.0  # a list of every pod in a big namespace can take seconds
@@ -132,6 +134,20 @@ def resource_path(api_version: str, plural: str, namespace: str | None, name: st
     return path
 
 
+def resource_of(path: str) -> str:
+    """The resource a REST path addresses, for metrics: '/api/v1/namespaces/ns/pods' -> 'pods',
+    '/apis/g/v/namespaces/ns/things/x/status' -> 'things/status', '/version' -> 'version', '/apis/g/v' -> 'discovery'."""
+    parts = [p for p in path.split("?", 1)[0].split("/") if p]
+    if not parts or parts[0] not in ("api", "apis"):
+        return "/".join(parts) or "root"
+    rest = parts[2:] if parts[0] == "api" else parts[3:]
+    if len(rest) > 2 and rest[0] == "namespaces":
+        rest = rest[2:]
+    if not rest:
+        return "discovery"
+    return rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
+
+
 class KubeClient:
     """Async JSON client of the Kubernetes API (pool size and timeouts: see the module docstring)."""
 
@@ -217,7 +233,9 @@ class KubeClient:
                 status = rsp.status
                 text = await rsp.text()
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            metrics.API_REQUESTS.labels(method, resource_of(path), "0").inc()
             raise ApiError(503, type(exc).__name__, str(exc) or "connection failed") from exc
+        metrics.API_REQUESTS.labels(method, resource_of(path), str(status)).inc()
         try:
             data = json.loads(text) if text else None
         except ValueError:  # e.g. an HTML error page from a proxy or load balancer in front of the API

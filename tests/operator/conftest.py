@@ -54,7 +54,12 @@ def fake_hub():
 def features_landed(monkeypatch):
     from kvfleet_server import unsupported
 
+    from kvfleet_operator import server_args
+
     monkeypatch.setattr(unsupported, "ENGINE_REFUSALS", ())
+    server_args._refusal.cache_clear()  # its verdicts were taken with the list in place
+    yield
+    server_args._refusal.cache_clear()
 
 
 @pytest.fixture()

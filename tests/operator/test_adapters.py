@@ -94,6 +94,9 @@ async def test_reconcile_renders_the_adapters_and_counts_ready_pods_per_adapter(
         assert args[args.index("--lora-modules") + 1:][:2] == ["sql=/models/pvc/adapters/sql", "chat=/adapters/chat"]
         await api.create("v1", "pods", "default", _pod("m-1", "sql,chat"))
         await api.create("v1", "pods", "default", _pod("m-2", "sql"))  # an older template's pod
+        # the Deployment controller counts them (its status change is what reconciles the owner)
+        await api.patch("apps/v1", "deployments", "default", "m",
+                        {"status": {"replicas": 2, "readyReplicas": 2, "availableReplicas": 2}}, subresource="status")
 
         async def counted(want):
             async def check():

@@ -1,0 +1,98 @@
+"""What the operator knows of its children between passes (``observed``): a new InferenceService's
+children are created without first reading them (no GET answered 404), the watch's echo of the
+operator's own writes starts no pass, a Deployment status the controller writes still does, a child
+that exists but was never seen (somebody else's) is found by the create's 409 and reported, and
+nothing is kept once the objects are gone. The pure bookkeeping first, then the real kopf runtime
+against KMock."""
+from __future__ import annotations
+
+import asyncio
+
+from prometheus_client import REGISTRY
+
+from kmock_support import running_operator, wait_for
+from kvfleet_operator import api as isvc_api
+from kvfleet_operator import handlers, observed
+from test_status_truth import _cond, _condition, _deployment_reports, _rolled_out, _sample
+
+AV, PL = isvc_api.API_VERSION, isvc_api.PLURAL
+
+
+def _obj(rv: int) -> dict:
+    return {"metadata": {"resourceVersion": str(rv)}}
+
+
+def test_an_event_is_news_until_a_completed_pass_has_read_its_version():
+    observed.forget("ns", "a", handlers.CHILD_PLURALS)
+    assert not observed.known("ns", "a", "deployments")
+    assert observed.watched("ns", "a", "deployments", "10", deleted=False)  # never read: news
+    assert observed.known("ns", "a", "deployments") and observed.pending("ns", "a", handlers.CHILD_PLURALS)
+    observed.seen("ns", "a", "deployments", _obj(12))  # a pass read it, but has not completed
+    assert observed.watched("ns", "a", "deployments", "12", deleted=False)
+    observed.accounted("ns", "a", {"deployments": _obj(12), "services": None, "poddisruptionbudgets": None})
+    assert not observed.pending("ns", "a", handlers.CHILD_PLURALS)
+    assert not observed.watched("ns", "a", "deployments", "12", deleted=False)  # the echo of what it read
+    assert not observed.watched("ns", "a", "deployments", "11", deleted=False)  # an older one, late
+    assert observed.watched("ns", "a", "deployments", "13", deleted=False)  # the controller wrote since
+    assert observed.watched("ns", "a", "deployments", "not-a-number", deleted=False)  # opaque: always news
+    observed.accounted("ns", "a", {"deployments": _obj(13)})
+    assert observed.watched("ns", "a", "deployments", "13", deleted=True)  # a deletion always is
+    assert observed.pending("ns", "a", handlers.CHILD_PLURALS)
+    observed.accounted("ns", "a", {"deployments": None})  # the pass found it gone
+    assert not observed.known("ns", "a", "deployments") and not observed.pending("ns", "a", handlers.CHILD_PLURALS)
+    observed.seen("ns", "a", "services", {})  # a create answered 409: exists, version unknown
+    assert observed.known("ns", "a", "services")
+    observed.forget("ns", "a", handlers.CHILD_PLURALS)
+    assert not observed.known("ns", "a", "services")
+
+
+def _count(verb: str, resource: str, code: str | None = None) -> float:
+    total = 0.0
+    for metric in REGISTRY.collect():
+        if metric.name != "kvfleet_operator_api_requests":
+            continue
+        for s in metric.samples:
+            if s.name.endswith("_total") and s.labels["verb"] == verb and s.labels["resource"] == resource \
+                    and (code is None or s.labels["code"] == code):
+                total += s.value
+    return total
+
+
+def _reconciles(result: str) -> float:
+    return REGISTRY.get_sample_value("kvfleet_operator_reconciles_total", {"result": result}) or 0.0
+
+
+async def test_a_new_object_costs_no_404_reads_and_its_own_echoes_no_pass(api, emulator):
+    before = {k: _count("GET", k) for k in ("deployments", "services", "poddisruptionbudgets")}
+    unchanged = _reconciles("unchanged")
+    async with running_operator():
+        await api.create(AV, PL, "default", _sample("fresh", replicas=1))
+        await _condition(api, "fresh", "Ready", status="False")
+        await asyncio.sleep(1.0)  # the watch delivers the echoes of the Deployment and Service creates
+        reads = {k: _count("GET", k) - v for k, v in before.items()}  # (this test reads no child until here)
+        assert await api.get("v1", "services", "default", "fresh") is not None
+        # created without a read (no 404), the one-replica service wants no PDB and none was seen
+        assert reads == {"deployments": 0, "services": 0, "poddisruptionbudgets": 0}, reads
+        assert _reconciles("unchanged") > unchanged  # echoes of its own writes
+        # what the Deployment controller writes is news: a pass reads it and the status follows
+        await _deployment_reports(api, "fresh", **_rolled_out(1))
+        await _condition(api, "fresh", "Ready", status="True")
+        assert _count("GET", "deployments") - before["deployments"] >= 2  # the test's read, the pass's
+        await api.delete(AV, PL, "default", "fresh")
+        await wait_for(lambda: not any(observed.known("default", "fresh", p) for p in handlers.CHILD_PLURALS) or None)
+
+
+async def test_a_child_nobody_saw_is_found_by_the_creates_conflict(api, emulator):
+    # somebody else's Deployment of the same name: not labelled as ours, so the watch never shows it
+    await api.create("apps/v1", "deployments", "default", {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "taken", "namespace": "default"},
+        "spec": {"selector": {"matchLabels": {"app": "x"}}, "template": {"metadata": {"labels": {"app": "x"}},
+                 "spec": {"containers": [{"name": "x", "image": "x"}]}}}})
+    conflicts = _count("POST", "deployments", "409")
+    async with running_operator():
+        await api.create(AV, PL, "default", _sample("taken"))
+        obj = await _condition(api, "taken", "Degraded", status="True", reason="ChildConflict")
+        assert "Deployment default/taken exists and is not controlled by" in _cond(obj, "Degraded")["message"]
+        assert _count("POST", "deployments", "409") > conflicts  # created blind, refused, then read
+        dep = await api.get("apps/v1", "deployments", "default", "taken")
+        assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "x"  # untouched
