@@ -197,18 +197,15 @@ async def reconcile(namespace: str, name: str, logger: logging.Logger | logging.
         if news is not None and not news():
             metrics.RECONCILES.labels(result="unchanged").inc()
             return {}
-        obj = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
-        if obj is None or obj["metadata"].get("deletionTimestamp"):
-            observed.forget(namespace, name, CHILD_PLURALS)
-            return {}  # gone or going: the garbage collector removes the children, nothing to reconcile
-        if only_if is not None and not only_if(obj):
+        obj = await _fresh(client, namespace, name, only_if)
+        if obj is None:
             return {}
         try:
             try:
                 written = await _reconcile(client, obj, namespace, name, logger, retry)
-            except _ChildExists:  # start over, reading the child this pass did not know of
-                obj = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
-                if obj is None or obj["metadata"].get("deletionTimestamp"):
+            except _ChildExists:  # start over once, reading the child this pass did not know of
+                obj = await _fresh(client, namespace, name, only_if)
+                if obj is None:
                     return {}
                 written = await _reconcile(client, obj, namespace, name, logger, retry)
             metrics.RECONCILES.labels(result="success").inc()
@@ -224,6 +221,17 @@ async def reconcile(namespace: str, name: str, logger: logging.Logger | logging.
             raise
         finally:
             metrics.DURATION.observe(time.monotonic() - started)
+
+
+async def _fresh(client: kube.KubeClient, namespace: str, name: str,
+                 only_if: Callable[[dict[str, Any]], bool] | None) -> dict[str, Any] | None:
+    """The InferenceService as the API server has it now; None when it is gone or going (the garbage
+    collector removes the children: nothing to reconcile) or fails ``only_if``."""
+    obj = await client.get(api.API_VERSION, api.PLURAL, namespace, name)
+    if obj is None or obj["metadata"].get("deletionTimestamp"):
+        observed.forget(namespace, name, CHILD_PLURALS)
+        return None
+    return obj if only_if is None or only_if(obj) else None
 
 
 async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: str, name: str,

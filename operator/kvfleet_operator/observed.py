@@ -77,8 +77,8 @@ def accounted(namespace: str, owner: str, children: dict[str, dict | None]) -> N
     their watch events up to these versions are not news any more."""
     for plural, obj in children.items():
         seen(namespace, owner, plural, obj)
-        child = _children.get((namespace, owner, plural))
-        if child is not None:
+        if obj is not None:  # the version it read, not the newest the watch has since delivered
+            child = _children[(namespace, owner, plural)]
             child.used = max(child.used, kube.revision((obj.get("metadata") or {}).get("resourceVersion")))
             child.deleted = False
 
@@ -88,7 +88,3 @@ def forget(namespace: str, owner: str, plurals: tuple[str, ...]) -> None:
     for plural in plurals:
         _children.pop((namespace, owner, plural), None)
 
-
-def size() -> int:
-    """Entries held (for tests: nothing outlives the objects)."""
-    return len(_children)

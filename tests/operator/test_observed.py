@@ -96,3 +96,12 @@ async def test_a_child_nobody_saw_is_found_by_the_creates_conflict(api, emulator
         assert _count("POST", "deployments", "409") > conflicts  # created blind, refused, then read
         dep = await api.get("apps/v1", "deployments", "default", "taken")
         assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == "x"  # untouched
+
+
+def test_an_event_delivered_during_a_pass_stays_news_after_it():
+    observed.forget("ns", "b", handlers.CHILD_PLURALS)
+    observed.seen("ns", "b", "deployments", _obj(20))  # the pass reads version 20 ...
+    assert observed.watched("ns", "b", "deployments", "21", deleted=False)  # ... the controller writes 21
+    observed.accounted("ns", "b", {"deployments": _obj(20)})  # the pass completes from 20
+    assert observed.pending("ns", "b", handlers.CHILD_PLURALS)  # the queued pass must still run
+    observed.forget("ns", "b", handlers.CHILD_PLURALS)
