@@ -60,7 +60,11 @@ def ns(cluster):
     name = cluster.namespace(f"e2e-{uuid.uuid4().hex[:6]}")
     yield name
     for pod in cluster.core.list_namespaced_pod(name).items:  # no kubelet finishes their termination
-        cluster.core.delete_namespaced_pod(pod.metadata.name, name, grace_period_seconds=0)
+        try:
+            cluster.core.delete_namespaced_pod(pod.metadata.name, name, grace_period_seconds=0)
+        except ApiException as exc:
+            if exc.status != 404:  # the garbage collector may have removed it since the list
+                raise
     cluster.core.delete_namespace(name)
 
 
