@@ -144,6 +144,9 @@ class _Resolver:
                 for a in node.names:
                     self.aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
         self._module = None
+        # _call_site_envs per (function, depth): a function's callers are walked once, not once per
+        # path that reaches it (the walk is otherwise exponential in the depth of helper chains)
+        self._site_envs: dict[tuple[ast.AST, int], list[dict[str, Any]]] = {}
         # Module-level assignments (NAME = expr, A, B = x, y) evaluated statically first; the
         # imported module is only consulted for names built in other ways.
         self.module_assignments: dict[str, list[tuple[ast.AST, ast.AST]]] = {}
@@ -200,6 +203,12 @@ class _Resolver:
         func = self._function_of(at)
         if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)) or depth > self.MAX_DEPTH:
             return [{}]
+        key = (func, depth)
+        if key not in self._site_envs:
+            self._site_envs[key] = self._walk_call_sites(func, depth)
+        return [dict(env) for env in self._site_envs[key]]
+
+    def _walk_call_sites(self, func: ast.FunctionDef | ast.AsyncFunctionDef, depth: int) -> list[dict[str, Any]]:
         positional = [a.arg for a in [*func.args.posonlyargs, *func.args.args]]
         if positional and positional[0] in ("self", "cls"):
             positional = positional[1:]
