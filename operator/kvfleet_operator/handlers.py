@@ -298,10 +298,13 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             template_written = action == "create" or "template" in (body.get("spec") or {})
     routed = await routing_sync.sync(client, obj, spec, children.routing, logger)
     selector = render.selector_string(name)
-    serving_pods = [p for p in await client.list("v1", "pods", namespace, label_selector=selector,
-                                                       not_older_than=kube.seen("pods"))
-                    if all((p.get("metadata", {}).get("labels") or {}).get(k) == v
-                           for k, v in render.selector_labels(name).items())]
+    # the pass that created the Deployment lists no pods: none can be its pods yet (its ReplicaSet does
+    # not exist); the Deployment's status events start the passes that do
+    created = live["deployment"] is None and result.get("deployment") is not None
+    serving_pods = [] if created else [
+        p for p in await client.list("v1", "pods", namespace, label_selector=selector,
+                                     not_older_than=kube.seen("pods"))
+        if all((p.get("metadata", {}).get("labels") or {}).get(k) == v for k, v in render.selector_labels(name).items())]
     events = [e for pod in pods.starting_pods(serving_pods)
               for e in await client.list("v1", "events", namespace, field_selector=pods.event_selector(pod))]
     downloads = await weights.observe(client, obj, spec, plan, serving_pods)
@@ -341,11 +344,15 @@ async def _being_deleted(client: kube.KubeClient, namespace: str, name: str) -> 
 
 
 async def _write_status(client: kube.KubeClient, obj: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """Write the difference between ``obj``'s status and ``new`` (a complete status); returns the patch."""
     patch = st.status_patch(obj.get("status"), new)
+    meta = obj["metadata"]
+    namespace, name = meta.get("namespace") or "default", meta["name"]
     if patch:
-        meta = obj["metadata"]
-        await client.patch(api.API_VERSION, api.PLURAL, meta.get("namespace"), meta["name"], {"status": patch},
+        observed.reported(namespace, name, None)
+        await client.patch(api.API_VERSION, api.PLURAL, meta.get("namespace"), name, {"status": patch},
                            subresource="status")
+    observed.reported(namespace, name, _pod_failure_reported({"status": new}))
     return patch
 
 
@@ -398,15 +405,11 @@ async def _child_event(namespace: str | None, owner: str | None, logger: logging
                  f"the next change or operator restart reconciles it")
 
 
-def _pods_matter(pod: dict[str, Any]) -> Callable[[dict[str, Any]], bool]:
-    """Whether a pod event needs a reconcile of the (fresh) owner: the pod fails now, or the owner's
-    Degraded condition names a pod failure that may have cleared (readiness changes reach the
-    status through the Deployment's own events)."""
-    def matters(owner: dict[str, Any]) -> bool:
-        degraded = st.get_condition(owner.get("status"), st.DEGRADED) or {}
-        return pods.pod_problem([pod]) is not None or \
-            (degraded.get("status") == "True" and degraded.get("reason") in pods.REASONS)
-    return matters
+def _pod_failure_reported(owner: dict[str, Any]) -> bool:
+    """Whether the (fresh) owner's Degraded condition names a pod failure, which a healthy pod's event may
+    have cleared (readiness changes reach the status through the Deployment's own events)."""
+    degraded = st.get_condition(owner.get("status"), st.DEGRADED) or {}
+    return degraded.get("status") == "True" and degraded.get("reason") in pods.REASONS
 
 
 @kopf.on.event("", "v1", "pods", labels=CHILD_FILTER)
@@ -417,9 +420,17 @@ async def pod_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     meta = body.get("metadata", {})
     kube.saw("pods", meta.get("resourceVersion"))  # before the pass: its lists must reflect this event
     labels = meta.get("labels") or {}
-    download = labels.get("app.kubernetes.io/component") == cache.DOWNLOAD_COMPONENT
-    await _child_event(meta.get("namespace"), labels.get(render.OWNER_LABEL), logger,
-                       only_if=None if download else _pods_matter(plain_copy(body)))
+    namespace, owner = meta.get("namespace"), labels.get(render.OWNER_LABEL)
+    if labels.get("app.kubernetes.io/component") == cache.DOWNLOAD_COMPONENT:
+        await _child_event(namespace, owner, logger)
+        return
+    if pods.pod_problem([plain_copy(body)]) is not None:
+        await _child_event(namespace, owner, logger)
+        return
+    # a healthy pod matters only if the owner's status names a pod failure that may have cleared: when
+    # this process wrote that status it knows without reading it (asked under the owner's lock)
+    await _child_event(namespace, owner, logger, only_if=_pod_failure_reported,
+                       news=lambda: observed.pod_failure_reported(namespace, owner) is not False)
 
 
 def _volume_warning(body: kopf.Body, **_: Any) -> bool:

@@ -12,6 +12,8 @@ This is client-go's informer bookkeeping and ControllerExpectations, cut to what
   409 (the object exists after all: the watch lags, or it is somebody else's) marks it known, and the
   pass starts again, reading it (``handlers.reconcile``).
 - A child that is not wanted (the PDB of a one-replica service) and is not known to exist is not read.
+- Whether the status the last completed pass wrote names a pod failure: a pod event of a healthy pod
+  then needs no read of the InferenceService to know that it changes nothing (``pod_failure_reported``).
 
 resourceVersions are compared as numbers (the API server's are etcd revisions, as ``kube.revision``);
 a version that is not a number is always news. Entries are dropped when a pass finds the child absent,
@@ -32,6 +34,7 @@ class _Child:
 
 
 _children: dict[tuple[str, str, str], _Child] = {}
+_pod_failure: dict[tuple[str, str], bool] = {}  # (namespace, owner) -> the last pass's Degraded names a pod
 
 
 def watched(namespace: str, owner: str, plural: str, resource_version: str | None, deleted: bool) -> bool:
@@ -83,8 +86,24 @@ def accounted(namespace: str, owner: str, children: dict[str, dict | None]) -> N
             child.deleted = False
 
 
+def reported(namespace: str, owner: str, pod_failure: bool | None) -> None:
+    """The InferenceService's status as this process wrote it is Degraded by a pod failure
+    (``pods.REASONS``) or not; None: unknown (a status write is under way or failed)."""
+    if pod_failure is None:
+        _pod_failure.pop((namespace, owner), None)
+    else:
+        _pod_failure[(namespace, owner)] = pod_failure
+
+
+def pod_failure_reported(namespace: str, owner: str) -> bool | None:
+    """Whether the status this process last wrote names a pod failure; None when it wrote none since
+    it started or the last write failed (read the status to know)."""
+    return _pod_failure.get((namespace, owner))
+
+
 def forget(namespace: str, owner: str, plurals: tuple[str, ...]) -> None:
-    """The InferenceService is gone: drop what is known of its children."""
+    """The InferenceService is gone: drop what is known of its children and its status."""
+    _pod_failure.pop((namespace, owner), None)
     for plural in plurals:
         _children.pop((namespace, owner, plural), None)
 

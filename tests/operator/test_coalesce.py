@@ -78,7 +78,7 @@ async def test_a_pod_event_raises_the_pod_lists_floor_before_its_pass(monkeypatc
     monkeypatch.setattr(kube, "_seen", {})
     floors: list[int] = []
 
-    async def child_event(namespace, owner, logger, only_if=None):
+    async def child_event(namespace, owner, logger, only_if=None, news=None):
         floors.append(kube.seen("pods"))
 
     monkeypatch.setattr(handlers, "_child_event", child_event)

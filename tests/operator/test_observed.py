@@ -105,3 +105,30 @@ def test_an_event_delivered_during_a_pass_stays_news_after_it():
     observed.accounted("ns", "b", {"deployments": _obj(20)})  # the pass completes from 20
     assert observed.pending("ns", "b", handlers.CHILD_PLURALS)  # the queued pass must still run
     observed.forget("ns", "b", handlers.CHILD_PLURALS)
+
+
+async def test_the_creating_pass_lists_no_pods_and_a_healthy_pods_event_reads_nothing(api, emulator):
+    """The pass that creates the Deployment lists no pods (none can be its pods yet). A healthy pod's
+    event, while the status this process wrote names no pod failure, costs no request at all; a failing
+    pod's event does start a pass, and once that status names the failure, the healthy pod's next event
+    reads the InferenceService and clears it."""
+    from test_pod_failures import CRASH, pod
+
+    pod_lists, reads = _count("GET", "pods"), _count("GET", PL)
+    async with running_operator():
+        await api.create(AV, PL, "default", _sample("calm"))
+        await _condition(api, "calm", "Ready", status="False")
+        await asyncio.sleep(1.0)
+        assert _count("GET", "pods") == pod_lists
+        passes_read = _count("GET", PL) - reads
+        unchanged = _reconciles("unchanged")
+        await api.create("v1", "pods", "default", pod("calm-0", "calm"))  # healthy, Running
+        await wait_for(lambda: _reconciles("unchanged") > unchanged or None)
+        assert _count("GET", PL) - reads == passes_read and _count("GET", "pods") == pod_lists
+        await api.patch("v1", "pods", "default", "calm-0", {"status": {"containerStatuses": CRASH}})
+        await _condition(api, "calm", "Degraded", status="True", reason="CrashLoopBackOff")
+        await api.patch("v1", "pods", "default", "calm-0", {"status": {"containerStatuses": [
+            {**CRASH[0], "ready": True, "started": True, "state": {"running": {}}}]}})
+        await _condition(api, "calm", "Degraded", status="False")
+        await api.delete(AV, PL, "default", "calm")
+        await wait_for(lambda: observed.pod_failure_reported("default", "calm") is None or None)  # nothing kept
