@@ -118,13 +118,16 @@ class _Lock:
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
     users: int = 0  # passes holding or awaiting it
     queued: int = 0  # child-event passes (no only_if) awaiting it
+    # the ``news`` of the passes dropped for a queued one (None: an event that always needs a pass): the
+    # next queued pass to hold the lock runs if any of them, or its own, says so
+    dropped: list[Callable[[], bool] | None] = dataclasses.field(default_factory=list)
 
 
 _locks: dict[tuple[int, str, str], _Lock] = {}
 
 
 @contextlib.asynccontextmanager
-async def object_lock(namespace: str, name: str, queued: bool = False) -> AsyncIterator[None]:
+async def object_lock(namespace: str, name: str, queued: bool = False) -> AsyncIterator[_Lock]:
     """Hold the lock that serialises one InferenceService's passes (reconcile, autoscaler apply).
 
     The entry exists only while a pass holds or awaits it, so nothing is kept per object between
@@ -140,7 +143,7 @@ async def object_lock(namespace: str, name: str, queued: bool = False) -> AsyncI
         finally:
             entry.queued -= queued
         try:
-            yield
+            yield entry
         finally:
             entry.lock.release()
     finally:
@@ -181,20 +184,27 @@ async def reconcile(namespace: str, name: str, logger: logging.Logger | logging.
     API server refuses is reported in the status. ``only_if(fresh_object)``: skip the pass unless
     true (a trigger that matters only in some states). ``coalesce``: a child event's pass, which is
     dropped when another such pass already waits for the lock: that one reads everything after this
-    event and so covers it (a burst of a rollout's events costs one queued pass, not one each).
-    ``news()``: asked once the lock is held, before any request; False skips the pass (a child event
-    whose version a pass completed since has read: ``observed.pending``).
+    event and so covers it (a burst of a rollout's events costs one queued pass, not one each); it
+    runs unless its own ``news`` and those of the passes dropped for it all say no. ``news()``: asked
+    once the lock is held, before any request; False skips the pass (a child event whose version a
+    pass completed since has read: ``observed.pending``).
 
     Raises Degraded (spec unrealisable or child conflict, already reported) or kube.ApiError (a
     child write refused, reported once persistent; any other API failure)."""
     client = kube.get_client()
     started = time.monotonic()
     queue = coalesce and only_if is None
-    if queue and _queued_pass(namespace, name) is not None:
+    waiting = _queued_pass(namespace, name) if queue else None
+    if waiting is not None:
+        if None not in waiting.dropped:
+            waiting.dropped.append(news)
         metrics.RECONCILES.labels(result="coalesced").inc()
         return {}
-    async with object_lock(namespace, name, queued=queue):
-        if news is not None and not news():
+    async with object_lock(namespace, name, queued=queue) as entry:
+        dropped: list[Callable[[], bool] | None] = []
+        if queue:
+            dropped, entry.dropped = entry.dropped, []
+        if news is not None and not any(n is None or n() for n in [news, *dropped]):
             metrics.RECONCILES.labels(result="unchanged").inc()
             return {}
         obj = await _fresh(client, namespace, name, only_if)
@@ -298,9 +308,11 @@ async def _reconcile(client: kube.KubeClient, obj: dict[str, Any], namespace: st
             template_written = action == "create" or "template" in (body.get("spec") or {})
     routed = await routing_sync.sync(client, obj, spec, children.routing, logger)
     selector = render.selector_string(name)
-    # the pass that created the Deployment lists no pods: none can be its pods yet (its ReplicaSet does
-    # not exist); the Deployment's status events start the passes that do
-    created = live["deployment"] is None and result.get("deployment") is not None
+    # the first pass of a new object lists no pods once it created the Deployment: none can be its pods
+    # yet (no ReplicaSet exists); the Deployment's status events start the passes that do. (A Deployment
+    # re-created later may adopt the orphaned ReplicaSet of a `--cascade=orphan` delete: listed.)
+    created = live["deployment"] is None and result.get("deployment") is not None \
+        and not (obj.get("status") or {}).get("observedGeneration")
     serving_pods = [] if created else [
         p for p in await client.list("v1", "pods", namespace, label_selector=selector,
                                      not_older_than=kube.seen("pods"))
@@ -461,14 +473,20 @@ def _controller(body: kopf.Body) -> tuple[str | None, str | None]:
     return meta.get("namespace"), None
 
 
-@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL, when=lambda event, **_: event.get("type") == "DELETED")
-async def deleted(body: kopf.Body, **_: Any) -> None:
-    """An InferenceService is gone (its children follow by garbage collection): forget what is known of
-    its children and, once a burst of deletions is over, give the freed memory back to the operating
-    system (``memory``)."""
+@kopf.on.event(api.GROUP, api.VERSION, api.PLURAL)
+async def isvc_event(body: kopf.Body, event: dict[str, Any], **_: Any) -> None:
+    """An InferenceService is gone (its children follow by garbage collection): once a pass in flight
+    is over, forget what is known of it and, once a burst of deletions is over, give the freed memory
+    back to the operating system (``memory``). Or its status changed: when it does not say what this
+    process last wrote about pod failures (a peer operator or a user wrote it), forget that record."""
     meta = body.get("metadata", {})
-    observed.forget(meta.get("namespace") or "default", meta.get("name", ""), CHILD_PLURALS)
-    memory.trim_soon()
+    namespace, name = meta.get("namespace") or "default", meta.get("name", "")
+    if event.get("type") == "DELETED":
+        async with object_lock(namespace, name):
+            observed.forget(namespace, name, CHILD_PLURALS)
+        memory.trim_soon()
+    elif observed.pod_failure_reported(namespace, name) not in (None, _pod_failure_reported(body)):
+        observed.reported(namespace, name, None)  # only ever costs a read of the status
 
 
 async def _named_child_event(body: kopf.Body, event: dict[str, Any], plural: str, logger: logging.Logger) -> None:

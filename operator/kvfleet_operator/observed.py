@@ -12,8 +12,9 @@ This is client-go's informer bookkeeping and ControllerExpectations, cut to what
   409 (the object exists after all: the watch lags, or it is somebody else's) marks it known, and the
   pass starts again, reading it (``handlers.reconcile``).
 - A child that is not wanted (the PDB of a one-replica service) and is not known to exist is not read.
-- Whether the status the last completed pass wrote names a pod failure: a pod event of a healthy pod
-  then needs no read of the InferenceService to know that it changes nothing (``pod_failure_reported``).
+- Whether the status this process last wrote names a pod failure: a healthy pod's event then needs no
+  read of the InferenceService to know that it changes nothing (``pod_failure_reported``; dropped when
+  the watch shows a status somebody else wrote).
 
 resourceVersions are compared as numbers (the API server's are etcd revisions, as ``kube.revision``);
 a version that is not a number is always news. Entries are dropped when a pass finds the child absent,
@@ -97,7 +98,8 @@ def reported(namespace: str, owner: str, pod_failure: bool | None) -> None:
 
 def pod_failure_reported(namespace: str, owner: str) -> bool | None:
     """Whether the status this process last wrote names a pod failure; None when it wrote none since
-    it started or the last write failed (read the status to know)."""
+    it started, the last write failed, or the watch showed a status that says otherwise (somebody else
+    wrote it): read the status to know."""
     return _pod_failure.get((namespace, owner))
 
 

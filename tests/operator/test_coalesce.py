@@ -54,6 +54,38 @@ async def test_a_burst_of_child_events_costs_one_queued_pass(passes):
     assert not handlers._locks
 
 
+async def test_an_event_dropped_for_a_queued_pass_runs_that_pass_whatever_its_news(passes):
+    """A Deployment event's queued pass would skip itself (a completed pass read its version); a failing
+    pod's event, dropped for that queued pass, makes it run: the pod failure reaches the status."""
+    runs, gate = passes
+    log = handlers.logging.getLogger("test")
+    first = asyncio.create_task(handlers.reconcile("ns", "a", log))
+    await asyncio.sleep(0)
+    stale = asyncio.create_task(handlers.reconcile("ns", "a", log, coalesce=True, news=lambda: False))
+    await asyncio.sleep(0)
+    pod = asyncio.create_task(handlers.reconcile("ns", "a", log, coalesce=True))  # dropped: stale covers it
+    await asyncio.sleep(0.01)
+    gate.set()
+    await asyncio.gather(first, stale, pod)
+    assert [n for n, _ in runs] == ["a", "a"]
+    alone = await handlers.reconcile("ns", "a", log, coalesce=True, news=lambda: False)  # nothing dropped
+    assert alone == {} and len(runs) == 2 and not handlers._locks
+
+
+async def test_echoes_dropped_for_a_queued_pass_do_not_make_it_run(passes):
+    """The watch's echoes of a pass's own writes, dropped for a queued pass, are no news either."""
+    runs, gate = passes
+    log = handlers.logging.getLogger("test")
+    first = asyncio.create_task(handlers.reconcile("ns", "a", log))
+    await asyncio.sleep(0)
+    echoes = [asyncio.create_task(handlers.reconcile("ns", "a", log, coalesce=True, news=lambda: False))
+              for _ in range(3)]
+    await asyncio.sleep(0.01)
+    gate.set()
+    await asyncio.gather(first, *echoes)
+    assert len(runs) == 1 and not handlers._locks
+
+
 async def test_a_cancelled_waiter_leaves_no_queued_pass(passes):
     runs, gate = passes
     log = handlers.logging.getLogger("test")

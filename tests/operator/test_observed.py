@@ -132,3 +132,21 @@ async def test_the_creating_pass_lists_no_pods_and_a_healthy_pods_event_reads_no
         await _condition(api, "calm", "Degraded", status="False")
         await api.delete(AV, PL, "default", "calm")
         await wait_for(lambda: observed.pod_failure_reported("default", "calm") is None or None)  # nothing kept
+
+
+async def test_a_status_somebody_else_wrote_and_a_deletion_drop_the_pod_failure_record():
+    """The record of what this process wrote is dropped when the watch shows a status saying otherwise
+    (a peer operator, a user), and on deletion only after the pass in flight is over."""
+    degraded = {"status": {"conditions": [{"type": "Degraded", "status": "True", "reason": "Unschedulable"}]}}
+    meta = {"metadata": {"name": "peer", "namespace": "ns"}}
+    observed.reported("ns", "peer", False)
+    await handlers.isvc_event(body={**meta, "status": {}}, event={"type": "MODIFIED"})  # says the same
+    assert observed.pod_failure_reported("ns", "peer") is False
+    await handlers.isvc_event(body={**meta, **degraded}, event={"type": "MODIFIED"})
+    assert observed.pod_failure_reported("ns", "peer") is None
+    async with handlers.object_lock("ns", "peer"):  # a pass in flight ...
+        gone = asyncio.create_task(handlers.isvc_event(body=meta, event={"type": "DELETED"}))
+        await asyncio.sleep(0.01)
+        observed.reported("ns", "peer", False)  # ... completes after the DELETED event arrived
+    await gone
+    assert observed.pod_failure_reported("ns", "peer") is None and not handlers._locks
