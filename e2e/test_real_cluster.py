@@ -22,7 +22,8 @@ import yaml
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from real_cluster import (GROUP, OPERATOR_NS, PLURAL, VERSION, Cluster, Kubelet, Operator, install, isvc,
+from real_cluster import (GROUP, OPERATOR_NS, PLURAL, VERSION, Cluster, Kubelet, Operator, Progress,
+                          apiserver_requests, counts_delta, install, isvc, operator_requests,
                           skip_reason, wait_for)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -316,22 +317,19 @@ def test_scale(cluster, operator):
                 raise
     time.sleep(2)
     rss0 = operator.rss_mb()
+    deployments = Progress(cluster, ns, "apps", "v1", "deployments", lambda o: True)
+    statuses = Progress(cluster, ns, GROUP, VERSION, PLURAL,
+                        lambda o: (o.get("status") or {}).get("observedGeneration") == 1)
+    api0, op0 = apiserver_requests(cluster), operator_requests(operator.metrics_port)
     t0 = time.monotonic()
     for i in range(n):
         cluster.create_isvc(ns, isvc(f"s{i}"), strict=False)
     created = time.monotonic() - t0
-
-    def children_done():
-        deps = {d.metadata.name for d in cluster.apps.list_namespaced_deployment(ns).items}
-        return len(deps) >= n
-    wait_for(f"{n} Deployments", children_done, timeout=600, interval=2)
-    t_children = time.monotonic() - t0
-
-    def statuses_done():
-        items = cluster.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
-        return sum(1 for o in items if (o.get("status") or {}).get("observedGeneration") == 1) >= n
-    wait_for(f"{n} statuses", statuses_done, timeout=600, interval=2)
-    t_status = time.monotonic() - t0
+    t_children = deployments.wait(f"{n} Deployments", n, timeout=600) - t0
+    t_status = statuses.wait(f"{n} statuses", n, timeout=600) - t0
+    deployments.stop()
+    statuses.stop()
+    api1, op1 = apiserver_requests(cluster), operator_requests(operator.metrics_port)
     rss_peak = operator.rss_mb()
     items = cluster.custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
     degraded = {o["metadata"]["name"] for o in items
@@ -370,7 +368,9 @@ def test_scale(cluster, operator):
     print(f"\nscale {n}: created in {created:.1f} s; all children {t_children:.1f} s; all statuses {t_status:.1f} s; "
           f"controller-manager settled {t_settled:.1f} s; "
           f"operator RSS {rss0:.0f} -> {rss_peak:.0f} -> {rss_after:.0f} MB after deletion; writes in 60 s at rest: "
-          f"{writes}; Degraded: {len(degraded)} (refused Services: {len(refused)})")
+          f"{writes}; Degraded: {len(degraded)} (refused Services: {len(refused)})\n"
+          f"requests until all statuses: operator {counts_delta(op0, op1)}\n"
+          f"  API server, all clients: {counts_delta(api0, api1)}")
     assert degraded == refused, sorted(degraded ^ refused)[:20]
     assert writes == 0
     assert t_children <= 60 and t_status <= 60

@@ -41,8 +41,9 @@ A watch event of a Deployment, Service or PDB version that a completed pass has 
 of the operator's own write, or one delivered while a pass read it) starts no pass (``observed``).
 
 API errors raise ``kopf.TemporaryError`` with exponential backoff (1, 2, 4 … 60 s). The
-InferenceService's spec and user metadata are never written; kopf's own state lives in
-annotations with the ``kopf.serving.kvfleet.dev`` prefix (survives structural-schema pruning).
+InferenceService's spec and user metadata are never written; kopf's handler progress (written only
+when a handler retries or fails) lives in annotations with the ``kopf.serving.kvfleet.dev`` prefix
+(survives structural-schema pruning), its last-handled essence in memory (``diffbase``).
 No per-object state outlives a pass: the lock of an object exists only while a pass holds or
 awaits it.
 """
@@ -60,7 +61,7 @@ from typing import Any
 
 import kopf
 
-from . import api, apply, cache, child_write, kube, memory, metrics, model_status, observed, peering, pods, render, resolve, \
+from . import api, apply, cache, child_write, diffbase, kube, memory, metrics, model_status, observed, peering, pods, render, resolve, \
     routing, routing_sync, strict, weights
 from . import status as st
 
@@ -77,13 +78,14 @@ CHILD_WRITE_REASONS = ("ChildCreateFailed", "ChildUpdateFailed")
 POD_WARNINGS = "type=Warning,involvedObject.kind=Pod"  # server-side filter of the Events watch
 SERVING_DEFAULTS = render.ServingDefaults.from_env(dict(os.environ))  # the chart's servingImage, servingDefaults
 ROUTING_DEFAULTS = routing.RoutingDefaults.from_env(dict(os.environ))  # the chart's routing.endpointPickerImage
+DIFFBASE = diffbase.MemoryDiffBaseStorage()  # kopf's last-handled essence per InferenceService (``configure``)
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
     """kopf settings the operator relies on (also applied by tests)."""
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=KOPF_PREFIX)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=KOPF_PREFIX, key="last-handled-configuration")
+    global DIFFBASE
+    DIFFBASE = settings.persistence.diffbase_storage = diffbase.MemoryDiffBaseStorage()  # a start knows nothing
     settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.WARNING  # Kubernetes Events only for warnings and errors
     settings.posting.reporting_component = "kvfleet-operator"
@@ -484,6 +486,7 @@ async def isvc_event(body: kopf.Body, event: dict[str, Any], **_: Any) -> None:
     if event.get("type") == "DELETED":
         async with object_lock(namespace, name):
             observed.forget(namespace, name, CHILD_PLURALS)
+        DIFFBASE.forget(meta.get("uid"))
         memory.trim_soon()
     elif observed.pod_failure_reported(namespace, name) not in (None, _pod_failure_reported(body)):
         observed.reported(namespace, name, None)  # only ever costs a read of the status

@@ -150,3 +150,32 @@ async def test_a_status_somebody_else_wrote_and_a_deletion_drop_the_pod_failure_
         observed.reported("ns", "peer", False)  # ... completes after the DELETED event arrived
     await gone
     assert observed.pod_failure_reported("ns", "peer") is None and not handlers._locks
+
+
+async def test_kopf_writes_nothing_to_the_object_and_still_tells_a_spec_change_from_an_echo(api, emulator):
+    """kopf's last-handled state stays in memory (``diffbase``): creating an InferenceService writes only
+    its status (no annotation PATCH, whose watch event would be one more event to process), a spec change
+    is still reconciled, and nothing is kept once the object is deleted."""
+    async with running_operator():
+        await api.create(AV, PL, "default", _sample("quiet", replicas=1))
+        await _condition(api, "quiet", "Ready", status="False")
+        await asyncio.sleep(1.0)
+        own = [(w["method"], w["subresource"]) for w in emulator.writes if w["resource"] == PL and w["name"] == "quiet"]
+        assert own and all(sub == "status" for _, sub in own), own  # the test's create has no name in the path
+        uid = (await api.get(AV, PL, "default", "quiet"))["metadata"]["uid"]
+        assert uid in handlers.DIFFBASE._essences
+        await api.patch(AV, PL, "default", "quiet", {"spec": {"engine": {"maxNumSeqs": 7}}})
+
+        async def rolled():
+            dep = await api.get("apps/v1", "deployments", "default", "quiet")
+            args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+            return args[args.index("--max-num-seqs") + 1] == "7"
+        await wait_for(rolled)
+        await wait_for(lambda: _observed_generation(api, "quiet", 2))
+        await api.delete(AV, PL, "default", "quiet")
+        await wait_for(lambda: uid not in handlers.DIFFBASE._essences or None)
+        assert len(handlers.DIFFBASE) == 0
+
+
+async def _observed_generation(api, name: str, generation: int) -> bool:
+    return ((await api.get(AV, PL, "default", name)).get("status") or {}).get("observedGeneration") == generation

@@ -1,0 +1,57 @@
+"""kopf's last-handled state of each InferenceService, kept in this process's memory instead of in an
+annotation on the object.
+
+kopf compares an object's "essence" (spec, labels, annotations) with the one it last handled to tell a
+create from an update from nothing new. Its stock storage writes that essence into an annotation after
+every handled change: one PATCH of the InferenceService per create and per spec change, whose watch
+event then comes back to the operator as one more event to process. At 1,000 objects that is 1,000
+writes of the custom resource (schema validation, managed fields, a watch event to every watcher) that
+serve nothing the operator needs: the reconcile is level-based (it computes everything from the object
+as it is) and idempotent.
+
+Kept here, a restart starts with nothing stored, so kopf sees every object as created and the operator
+reconciles each once: what the annotation storage's resume handlers did on a restart anyway. Entries are
+the essence as compact JSON (the annotation's own encoding, about 1 KB an object), keyed by uid, and
+dropped when the object is deleted (``forget``). Handler progress (retries, permanent failures) stays in
+kopf's annotation storage: it is written only when a handler fails.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import cast
+
+import kopf
+
+
+class MemoryDiffBaseStorage(kopf.DiffBaseStorage):
+    """kopf ``DiffBaseStorage`` in a dict: uid -> the last handled essence, JSON-encoded."""
+
+    GONE_KEPT = 4096  # uids of deleted objects remembered, so that a late ``store`` does not re-add them
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._essences: dict[str, str] = {}
+        self._gone: OrderedDict[str, None] = OrderedDict()
+
+    def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
+        encoded = self._essences.get(body.metadata.uid or "")
+        return None if encoded is None else cast(kopf.BodyEssence, json.loads(encoded))
+
+    def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
+        uid = body.metadata.uid
+        if uid and uid not in self._gone:
+            self._essences[uid] = json.dumps(essence, separators=(",", ":"))
+
+    def forget(self, uid: str | None) -> None:
+        """The object is gone: drop its essence (kopf may still ``store`` one while it finishes the
+        deletion event, e.g. for a spec change it had not handled: ignored)."""
+        if not uid:
+            return
+        self._essences.pop(uid, None)
+        self._gone[uid] = None
+        if len(self._gone) > self.GONE_KEPT:
+            self._gone.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._essences)
