@@ -418,7 +418,8 @@ def render(obj: dict[str, Any], replicas: int | None = None,
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name)},
                      "unhealthyPodEvictionPolicy": "AlwaysAllow"},
         }
-    invalid = strict.check([c for c in (deployment, service, pdb) if c is not None], kubernetes_version)
+    invalid = strict.check([c for c in (deployment, service, pdb) if c is not None], kubernetes_version,
+                           instance=(name, obj["metadata"].get("uid") or ""))
     if invalid:
         reason = "InvalidSpec" if all(field for field, _ in invalid) else "ChildInvalid"
         raise Unrealisable(reason, "; ".join(message for _, message in invalid)

@@ -227,6 +227,29 @@ def test_results_are_remembered_by_digest_within_a_bound(monkeypatch):
     assert len(calls) == 4
 
 
+def test_services_differing_only_in_name_and_uid_share_one_validation(monkeypatch):
+    monkeypatch.setattr(strict, "_memo", type(strict._memo)())
+    calls = []
+    real = strict.problems
+    monkeypatch.setattr(strict, "problems", lambda child, version: calls.append(child["kind"]) or real(child, version))
+
+    def named(name: str, affinity: dict | None = None) -> dict:
+        obj = isvc({**HF, **({"scheduling": {"affinity": affinity}} if affinity else {})})
+        obj["metadata"].update(name=name, uid=f"uid-{name}")
+        return obj
+    for name in ("a", "b", "c"):
+        render.render(named(name))
+    assert calls == ["Deployment", "Service"]  # the first one's children only
+    # a problem next to a value equal to the name: reported with the object's own strings
+    typo = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": "heavy",
+            "podAffinityTerm": {"topologyKey": "x", "labelSelector": {"matchLabels": {"app": "b"}}}}]}}
+    with pytest.raises(render.Unrealisable, match=r"spec\.scheduling\.affinity\.podAntiAffinity\.preferred.*'heavy' is not of type 'integer'"):
+        render.render(named("b", typo))
+    # a value an enum of the schema allows is validated as it is, never as the placeholder
+    dep = render.render(isvc(HF)).deployment
+    assert strict.check([dep], "1.30", instance=("Deployment", "apps/v1")) == []  # the kind and apiVersion enums
+
+
 @pytest.mark.parametrize("server, schema", [("1.26", "1.30"), ("1.29+", "1.30"), ("v1.35.2", "1.35"),
                                             ("1.31", "1.31"), ("1.99", strict.NEWEST), (None, strict.NEWEST),
                                             ("", strict.NEWEST)])
