@@ -131,7 +131,7 @@ def _replaced(x: Any, values: dict[str, str]) -> Any:
         return {k: _replaced(v, values) for k, v in x.items()}
     if isinstance(x, list):
         return [_replaced(v, values) for v in x]
-    return values.get(x, x) if isinstance(x, str) else x
+    return values[x] if isinstance(x, str) and x in values else x
 
 
 def check(children: list[dict[str, Any]], version: str, instance: tuple[str, ...] = ()) -> list[tuple[str | None, str]]:
@@ -164,5 +164,5 @@ def check(children: list[dict[str, Any]], version: str, instance: tuple[str, ...
     _memo.move_to_end(key)
     found = list(_memo[key])
     for value, placeholder in values.items():
-        found = [(field, message.replace(placeholder, value)) for field, message in found]
+        found = [(field, value.join(message.split(placeholder))) for field, message in found]
     return found
