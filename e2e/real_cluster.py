@@ -154,8 +154,9 @@ class Progress:
                     name = obj["metadata"]["name"]
                     if ev["type"] != "DELETED" and name not in self.at and done(obj):
                         self.at[name] = time.monotonic()
-            except ApiException:  # e.g. 504 "Too large resource version" while the watch cache catches up
-                self._w = watch.Watch()  # a fresh watch lists the current state again
+            except Exception:  # e.g. 504 "Too large resource version" while the watch cache catches up, a
+                # connection the API server closed: a fresh watch lists the current state again
+                self._w = watch.Watch()
                 time.sleep(0.5)
 
     def wait(self, what: str, n: int, timeout: float) -> float:

@@ -12,13 +12,14 @@ as it is) and idempotent.
 Kept here, a restart starts with nothing stored, so kopf sees every object as created and the operator
 reconciles each once: what the annotation storage's resume handlers did on a restart anyway. Entries are
 the essence as compact JSON (the annotation's own encoding, about 1 KB an object), keyed by uid, and
-dropped when the object is deleted (``forget``). Handler progress (retries, permanent failures) stays in
+dropped when the watch reports the object deleted (``forget``; a deletion the watch never delivers, e.g.
+while this replica is a standby, keeps its entry until a restart, as kopf's own per-object memory
+does). Handler progress (retries, permanent failures) stays in
 kopf's annotation storage: it is written only when a handler fails.
 """
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from typing import cast
 
 import kopf
@@ -27,31 +28,21 @@ import kopf
 class MemoryDiffBaseStorage(kopf.DiffBaseStorage):
     """kopf ``DiffBaseStorage`` in a dict: uid -> the last handled essence, JSON-encoded."""
 
-    GONE_KEPT = 4096  # uids of deleted objects remembered, so that a late ``store`` does not re-add them
-
     def __init__(self) -> None:
         super().__init__()
         self._essences: dict[str, str] = {}
-        self._gone: OrderedDict[str, None] = OrderedDict()
 
     def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
         encoded = self._essences.get(body.metadata.uid or "")
         return None if encoded is None else cast(kopf.BodyEssence, json.loads(encoded))
 
     def store(self, *, body: kopf.Body, patch: kopf.Patch, essence: kopf.BodyEssence) -> None:
-        uid = body.metadata.uid
-        if uid and uid not in self._gone:
-            self._essences[uid] = json.dumps(essence, separators=(",", ":"))
+        if body.metadata.uid:
+            self._essences[body.metadata.uid] = json.dumps(essence, separators=(",", ":"))
 
     def forget(self, uid: str | None) -> None:
-        """The object is gone: drop its essence (kopf may still ``store`` one while it finishes the
-        deletion event, e.g. for a spec change it had not handled: ignored)."""
-        if not uid:
-            return
-        self._essences.pop(uid, None)
-        self._gone[uid] = None
-        if len(self._gone) > self.GONE_KEPT:
-            self._gone.popitem(last=False)
+        """The object is gone (its DELETED event, after which kopf stores nothing for it): drop its essence."""
+        self._essences.pop(uid or "", None)
 
     def __len__(self) -> int:
         return len(self._essences)

@@ -1,7 +1,7 @@
 """kopf handlers: thin glue around read -> render -> apply -> status.
 
 Triggers: an InferenceService is created, its spec/metadata changes, or the operator (re)starts
-(resume); an owned Deployment/Service/PodDisruptionBudget/InferencePool/HTTPRoute/model-download Job changes
+(kopf's last-handled state is in memory, ``diffbase``: after a start every object is seen as created); an owned Deployment/Service/PodDisruptionBudget/InferencePool/HTTPRoute/model-download Job changes
 or is deleted (every ``weights.PROGRESS_INTERVAL_S`` while a model downloads, for its progress) (the event names
 its controller InferenceService, which is then reconciled); a serving pod starts or stops failing
 (its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``); a
@@ -374,11 +374,11 @@ def _backoff(retry: int) -> float:
     return float(min(60, 2 ** retry))
 
 
-@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL, id="reconcile")
 @kopf.on.create(api.GROUP, api.VERSION, api.PLURAL, id="reconcile")
 @kopf.on.update(api.GROUP, api.VERSION, api.PLURAL, id="reconcile")
 async def reconcile_handler(body: kopf.Body, retry: int, logger: logging.Logger, **_: Any) -> None:
-    """Reconcile on create / update / resume; permanent failure for unrealisable specs."""
+    """Reconcile on create (also every object after the operator starts) / update; permanent failure for
+    unrealisable specs."""
     meta = body.get("metadata", {})
     try:
         await reconcile(meta.get("namespace") or "default", meta["name"], logger, retry)

@@ -105,7 +105,9 @@ def problems(child: dict[str, Any], version: str) -> list[tuple[list[Any], str]]
     return sorted(out, key=lambda p: field_path(p[0]))
 
 
-PLACEHOLDER = "kvfleet-strict-instance-{}"  # the i-th ``instance`` string of ``check`` is validated as this
+# the i-th ``instance`` string of ``check`` is validated as this: "<" and ">" are in no Kubernetes name,
+# uid or label, so it is not part of one, and mapping it back in a message cannot form another
+PLACEHOLDER = "<instance-{}>"
 
 
 @functools.lru_cache(maxsize=4)

@@ -245,6 +245,11 @@ def test_services_differing_only_in_name_and_uid_share_one_validation(monkeypatc
             "podAffinityTerm": {"topologyKey": "x", "labelSelector": {"matchLabels": {"app": "b"}}}}]}}
     with pytest.raises(render.Unrealisable, match=r"spec\.scheduling\.affinity\.podAntiAffinity\.preferred.*'heavy' is not of type 'integer'"):
         render.render(named("b", typo))
+    # a problem at a value equal to the name: the message shows the name, not the placeholder
+    with pytest.raises(render.Unrealisable) as exc:
+        render.render(named("b", {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": "b"}}))
+    assert "requiredDuringSchedulingIgnoredDuringExecution: 'b' is not of type 'object'" in exc.value.message
+    assert "instance" not in exc.value.message
     # a value an enum of the schema allows is validated as it is, never as the placeholder
     dep = render.render(isvc(HF)).deployment
     assert strict.check([dep], "1.30", instance=("Deployment", "apps/v1")) == []  # the kind and apiVersion enums
