@@ -1,8 +1,9 @@
 """kopf handlers: thin glue around read -> render -> apply -> status.
 
 Triggers: an InferenceService is created, its spec/metadata changes, or the operator (re)starts
-(kopf's last-handled state is in memory, ``diffbase``: after a start every object is seen as created); an owned Deployment/Service/PodDisruptionBudget/InferencePool/HTTPRoute/model-download Job changes
-or is deleted (every ``weights.PROGRESS_INTERVAL_S`` while a model downloads, for its progress) (the event names
+(kopf's last-handled state is in memory, ``diffbase``: after a start every object is seen as
+created); an owned Deployment/Service/PodDisruptionBudget/InferencePool/HTTPRoute/model-download Job
+changes or is deleted (every ``weights.PROGRESS_INTERVAL_S`` while a model downloads, for its progress) (the event names
 its controller InferenceService, which is then reconciled); a serving pod starts or stops failing
 (its ``serving.kvfleet.dev/inferenceservice`` label names the owner; ``pods.pod_problem``); a
 Warning Event says a pod's volume does not attach or mount (``FailedAttachVolume`` such as

@@ -58,10 +58,15 @@ def _folder(version: str) -> str:
 
 
 @functools.lru_cache(maxsize=4)
+def _definitions_json(version: str) -> dict[str, Any]:
+    """The shared definitions of ``version``, parsed once (about 2.5 MB in memory)."""
+    return kv.schema_contents(f"{_folder(version)}/_definitions.json", version)
+
+
+@functools.lru_cache(maxsize=4)
 def _definitions(version: str) -> referencing.Registry:
-    """The shared definitions (about 2.5 MB in memory), loaded once per version."""
-    return referencing.Resource.from_contents(kv.schema_contents(f"{_folder(version)}/_definitions.json", version)) \
-        @ referencing.Registry()
+    """The shared definitions as a registry (holding ``_definitions_json``'s object, not a copy)."""
+    return referencing.Resource.from_contents(_definitions_json(version)) @ referencing.Registry()
 
 
 @functools.lru_cache(maxsize=16)
@@ -115,7 +120,7 @@ def _enum_values(version: str) -> frozenset[str]:
     """Every string an enum of the ``version`` schemas allows: a value that is one of them may change a
     child's validity when it is replaced, so it is never replaced."""
     out: set[str] = set()
-    stack: list[Any] = [kv.schema_contents(f"{_folder(version)}/_definitions.json", version)]
+    stack: list[Any] = [_definitions_json(version)]
     while stack:
         x = stack.pop()
         if isinstance(x, dict):
