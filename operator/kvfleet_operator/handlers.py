@@ -63,7 +63,7 @@ from typing import Any
 import kopf
 
 from . import api, apply, cache, child_write, diffbase, kube, memory, metrics, model_status, observed, peering, pods, render, resolve, \
-    routing, routing_sync, strict, weights
+    quiet_log, routing, routing_sync, strict, weights
 from . import status as st
 
 KOPF_PREFIX = "kopf.serving.kvfleet.dev"
@@ -96,6 +96,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
                      ("gateway.networking.k8s.io", "v1", "httproutes"), ("batch", "v1", "jobs")):
         settings.watching.label_selectors[selector] = MANAGED
     settings.watching.field_selectors[("v1", "events")] = POD_WARNINGS
+    quiet_log.install(WATCH_HANDLERS)
 
 
 @kopf.on.startup()
@@ -554,3 +555,8 @@ async def inference_pool_event(body: kopf.Body, logger: logging.Logger, **_: Any
 async def http_route_event(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     """An owned HTTPRoute changed or was deleted: reconcile its owner."""
     await _child_event(*_controller(body), logger)
+
+
+# kopf.on.event handlers: one call per watch event, whose success kopf logs at INFO (``quiet_log``)
+WATCH_HANDLERS = tuple(fn.__name__ for fn in (pod_event, volume_event, isvc_event, deployment_event, service_event,
+                                              job_event, pdb_event, inference_pool_event, http_route_event))

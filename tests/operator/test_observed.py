@@ -179,3 +179,46 @@ async def test_kopf_writes_nothing_to_the_object_and_still_tells_a_spec_change_f
 
 async def _observed_generation(api, name: str, generation: int) -> bool:
     return ((await api.get(AV, PL, "default", name)).get("status") or {}).get("observedGeneration") == generation
+
+
+def test_the_essence_is_kopfs_own_without_copying_status_or_managed_fields():
+    """``MemoryDiffBaseStorage.build`` gives the essence kopf's stock ``build`` gives (spec, labels,
+    annotations less kopf's marked ones and kubectl's last-applied), from a body whose status and
+    managedFields it never copies; a label or spec change still shows in it, a status change does not."""
+    import copy
+
+    import kopf
+
+    from kvfleet_operator import diffbase
+
+    class Stock(kopf.DiffBaseStorage):
+        def fetch(self, *, body):
+            return None
+
+        def store(self, *, body, patch, essence):
+            pass
+
+    body = {"apiVersion": AV, "kind": "InferenceService",
+            "metadata": {"name": "a", "namespace": "ns", "uid": "u1", "resourceVersion": "7", "generation": 2,
+                         "labels": {"team": "x"},
+                         "annotations": {"note": "keep", "kopf.serving.kvfleet.dev/kopf-managed": "yes",
+                                         "kopf.serving.kvfleet.dev/reconcile": "{}",
+                                         "kopf.serving.kvfleet.dev/last-handled-configuration": "{}",
+                                         "kubectl.kubernetes.io/last-applied-configuration": "{}"},
+                         "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}]},
+            "spec": {"model": {"uri": "hf://a/b"}, "replicas": 2, "engine": {"args": ["--x"]}},
+            "status": {"observedGeneration": 2, "conditions": [{"type": "Ready", "status": "False"}]}}
+    mine, stock = diffbase.MemoryDiffBaseStorage(), Stock()
+    essence = mine.build(body=kopf.Body(body))
+    assert essence == stock.build(body=kopf.Body(body))
+    assert essence == {"spec": body["spec"], "metadata": {"labels": {"team": "x"}, "annotations": {"note": "keep"}}}
+    essence["spec"]["engine"]["args"].append("--y")  # a copy: the body is untouched
+    assert body["spec"]["engine"]["args"] == ["--x"]
+    changed = copy.deepcopy(body)
+    changed["status"]["observedGeneration"] = 3
+    changed["metadata"]["managedFields"].append({"manager": "kvfleet"})
+    assert mine.build(body=kopf.Body(changed)) == stock.build(body=kopf.Body(body))
+    changed["metadata"]["labels"]["team"] = "y"
+    assert mine.build(body=kopf.Body(changed)) != stock.build(body=kopf.Body(body))
+    extra = ["status.observedGeneration"]  # a handler filtering on a status field: kopf's own way
+    assert mine.build(body=kopf.Body(body), extra_fields=extra) == stock.build(body=kopf.Body(body), extra_fields=extra)
