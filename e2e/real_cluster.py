@@ -78,11 +78,12 @@ class Cluster:
         self.custom = client.CustomObjectsApi(self.api)
         self.rbac = client.RbacAuthorizationV1Api(self.api)
 
-    def kubectl(self, *args: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
+    def kubectl(self, *args: str, check: bool = True, input: str | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess:
         # --validate=false only matters for `apply`/`create` (client-side OpenAPI validation; the server's
         # own validation, fieldValidation=Strict, still runs)
         return subprocess.run([tool("kubectl"), "--kubeconfig", self.kubeconfig, *args], capture_output=True,
-                              text=True, check=check, input=input, timeout=120)
+                              text=True, check=check, input=input, timeout=timeout)
 
     def helm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         out = subprocess.run([tool("helm"), "--kubeconfig", self.kubeconfig, *args], capture_output=True,
@@ -340,6 +341,11 @@ class Operator:
             if ln.startswith("VmRSS:"):
                 return int(ln.split()[1]) / 1024
         return float("nan")
+
+    def cpu_s(self) -> float:
+        """CPU seconds the operator process has used (user + system)."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         self.proc.terminate()
