@@ -80,8 +80,8 @@ class Cluster:
 
     def kubectl(self, *args: str, check: bool = True, input: str | None = None,
                 timeout: float = 120) -> subprocess.CompletedProcess:
-        # --validate=false only matters for `apply`/`create` (client-side OpenAPI validation; the server's
-        # own validation, fieldValidation=Strict, still runs)
+        # --validate=false only matters for `apply`/`create`: no client-side OpenAPI fetch, and kubectl asks
+        # the API server to ignore unknown fields (fieldValidation=Ignore; the CRD's schema and rules still run)
         return subprocess.run([tool("kubectl"), "--kubeconfig", self.kubeconfig, *args], capture_output=True,
                               text=True, check=check, input=input, timeout=timeout)
 

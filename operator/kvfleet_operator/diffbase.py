@@ -37,7 +37,8 @@ class MemoryDiffBaseStorage(kopf.DiffBaseStorage):
         """kopf's essence of ``body`` (spec, labels, annotations less kopf's own), as kopf builds it, but
         without first deep-copying the whole object: kopf's ``build`` copies the status and
         ``metadata.managedFields`` only to drop them, on every watch event of every InferenceService
-        (12 % of the operator's CPU in a 1,000-object burst). With ``extra_fields`` (a handler filtering
+        (35 µs a call instead of 178 µs for an object with a status; 12 % of a py-spy profile's samples
+        in a 1,000-object burst, which over-counts under CPU contention). With ``extra_fields`` (a handler filtering
         on a field outside the essence) kopf's own way, which reads them from the whole object."""
         if extra_fields:
             return super().build(body=body, extra_fields=extra_fields)

@@ -20,7 +20,7 @@ class DemoteWatchSuccess(logging.Filter):
         self.messages = frozenset(f"Handler {i!r} succeeded." for i in handler_ids)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.INFO or record.msg not in self.messages:
+        if record.levelno != logging.INFO or not isinstance(record.msg, str) or record.msg not in self.messages:
             return True
         record.levelno, record.levelname = logging.DEBUG, "DEBUG"
         return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)

@@ -27,6 +27,7 @@ def test_a_watch_handlers_success_is_dropped_at_info_and_kept_as_debug_with_verb
         assert f.filter(rec) and rec.levelno == logging.INFO
         failed = _record("Handler 'isvc_event' failed with an exception and will try again in 60 seconds: x")
         assert f.filter(failed) and failed.levelno == logging.INFO
+        assert f.filter(logging.LogRecord(quiet_log.KOPF_OBJECTS, logging.INFO, __file__, 1, {"a": 1}, (), None))
         logger.setLevel(logging.DEBUG)
         assert f.filter(_record("Handler 'isvc_event' succeeded."))
     finally:
