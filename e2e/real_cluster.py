@@ -93,9 +93,8 @@ class Cluster:
         return out
 
     # -- InferenceServices -------------------------------------------------------------------------
-    def create_isvc(self, ns: str, body: dict[str, Any], strict: bool = True) -> dict[str, Any]:
-        return self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body,
-                                                           field_validation="Strict" if strict else None)
+    def create_isvc(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self.custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, body, field_validation="Strict")
 
     def get_isvc(self, ns: str, name: str) -> dict[str, Any]:
         return self.custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, name)

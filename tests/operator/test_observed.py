@@ -7,12 +7,14 @@ against KMock."""
 from __future__ import annotations
 
 import asyncio
+import copy
 
+import kopf
 from prometheus_client import REGISTRY
 
 from kmock_support import running_operator, wait_for
 from kvfleet_operator import api as isvc_api
-from kvfleet_operator import handlers, observed
+from kvfleet_operator import diffbase, handlers, observed
 from test_status_truth import _cond, _condition, _deployment_reports, _rolled_out, _sample
 
 AV, PL = isvc_api.API_VERSION, isvc_api.PLURAL
@@ -185,12 +187,6 @@ def test_the_essence_is_kopfs_own_without_copying_status_or_managed_fields():
     """``MemoryDiffBaseStorage.build`` gives the essence kopf's stock ``build`` gives (spec, labels,
     annotations less kopf's marked ones and kubectl's last-applied), from a body whose status and
     managedFields it never copies; a label or spec change still shows in it, a status change does not."""
-    import copy
-
-    import kopf
-
-    from kvfleet_operator import diffbase
-
     class Stock(kopf.DiffBaseStorage):
         def fetch(self, *, body):
             return None
