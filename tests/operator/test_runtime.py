@@ -1,8 +1,9 @@
 """Must-show 6 of issue 34: `spec.engine.runtime: vllm` renders `vllm serve` with the flags of the same spec, the
 same probes, port and metrics; settings vLLM lacks are refused naming the field; the kvfleet runtime's rendering
-is byte-identical to what main rendered before the runtime existed (tests/operator/golden/: the output of
-`kvfleet-operator render crds/samples/NAME.yaml` at commit d9465b0 — update a golden only with an intended change
-of the kvfleet rendering)."""
+is byte-identical to the pinned rendering (tests/operator/golden/: the output of `kvfleet-operator render
+crds/samples/NAME.yaml`, first taken at d9465b0, before the runtime existed, and since changed only by intended
+changes of the kvfleet rendering: issue 34's pod-shape defaults, then the KV-events and weights work — update a
+golden only with such a change)."""
 from __future__ import annotations
 
 import collections

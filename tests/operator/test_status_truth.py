@@ -70,10 +70,13 @@ def _operator_status_writes(writes: list[dict], name: str) -> list[dict]:
 
 
 async def test_no_ready_for_a_new_generation_before_the_deployment_rolled_it_out(api, emulator):
-    """Must-show 1 of issue 34. The API server answers pod lists 0.3 s late (a loaded server), which
-    opens the race a real one showed in 12 of 15 rollouts: a Deployment event's pass used to read the
-    InferenceService before the lock, i.e. before the pass that patched the template wrote
-    Ready=False, and then wrote Ready=True for the new generation from that stale copy."""
+    """Must-show 1 of issue 34: every status write after a spec change is replayed, and none may carry
+    Ready=True for the new generation before the scripted Deployment reports it rolled out. The API
+    server answers pod lists 0.3 s late (a loaded server). What this pins is the rollout check
+    (``status.rollout``: the Deployment's observedGeneration and updatedReplicas); removing it fails
+    here. The fresh read of the InferenceService under the object lock (``reconcile``) is not reached:
+    kopf hands one object's events over one at a time, so the only pass that starts during the
+    template-writing one is the echo of its own Deployment patch, which is skipped as no news."""
     emulator.inject_delay("GET", "pods", 0.3)
     async with running_operator():
         await api.create(AV, PL, "default", _sample(replicas=2))
