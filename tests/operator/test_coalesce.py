@@ -104,6 +104,37 @@ async def test_a_cancelled_waiter_leaves_no_queued_pass(passes):
     assert not handlers._locks
 
 
+async def test_a_queued_pass_reads_the_object_once_it_holds_the_lock(passes, monkeypatch):
+    """Issue 34's stale status: a child event's pass that waits for the lock reads the InferenceService
+    after the pass before it finished (its status write, a spec change meanwhile), never before it
+    queued: its status is computed from the object as it is when it runs."""
+    runs, gate = passes
+    client = kube.get_client()
+    generation = {"now": 1}
+    seen: list[int] = []
+
+    async def get(api_version, plural, namespace, name):
+        client.reads += 1
+        return {"metadata": {"name": name, "namespace": namespace, "generation": generation["now"]}}
+
+    async def record(client_, obj, namespace, name, logger, retry):
+        seen.append(obj["metadata"]["generation"])
+        await gate.wait()
+        return {}
+
+    monkeypatch.setattr(client, "get", get)
+    monkeypatch.setattr(handlers, "_reconcile", record)
+    log = handlers.logging.getLogger("test")
+    first = asyncio.create_task(handlers.reconcile("ns", "a", log))  # holds the lock
+    await asyncio.sleep(0.01)
+    child = asyncio.create_task(handlers.reconcile("ns", "a", log, coalesce=True))  # a Deployment event
+    await asyncio.sleep(0.01)
+    generation["now"] = 2  # the user changes the spec while the child event's pass waits
+    gate.set()
+    await asyncio.gather(first, child)
+    assert seen == [1, 2] and not handlers._locks
+
+
 async def test_a_pod_event_raises_the_pod_lists_floor_before_its_pass(monkeypatch):
     """The pass a pod event triggers, or the queued pass that covers it, lists pods at least as new as the
     event (``kube.seen``), so a lagging API server's watch cache cannot hide it."""

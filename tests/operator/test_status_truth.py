@@ -76,7 +76,8 @@ async def test_no_ready_for_a_new_generation_before_the_deployment_rolled_it_out
     (``status.rollout``: the Deployment's observedGeneration and updatedReplicas); removing it fails
     here. The fresh read of the InferenceService under the object lock (``reconcile``) is not reached:
     kopf hands one object's events over one at a time, so the only pass that starts during the
-    template-writing one is the echo of its own Deployment patch, which is skipped as no news."""
+    template-writing one is the echo of its own Deployment patch, which is skipped as no news; that
+    read is pinned by test_coalesce.py::test_a_queued_pass_reads_the_object_once_it_holds_the_lock."""
     emulator.inject_delay("GET", "pods", 0.3)
     async with running_operator():
         await api.create(AV, PL, "default", _sample(replicas=2))
