@@ -14,10 +14,12 @@ from kvfleet_operator import handlers, kube
 class FakeClient:
     def __init__(self) -> None:
         self.reads = 0
+        self.generation = 1  # the InferenceService's metadata.generation as the API server has it now
+        self.handed: list[int] = []  # the generation of the object each pass was handed
 
     async def get(self, api_version, plural, namespace, name):
         self.reads += 1
-        return {"metadata": {"name": name, "namespace": namespace, "generation": 1}}
+        return {"metadata": {"name": name, "namespace": namespace, "generation": self.generation}}
 
 
 @pytest.fixture
@@ -28,6 +30,7 @@ def passes(monkeypatch):
 
     async def fake_reconcile(client_, obj, namespace, name, logger, retry):
         runs.append((name, client.reads))
+        client.handed.append(obj["metadata"]["generation"])
         await gate.wait()
         return {}
 
@@ -104,35 +107,21 @@ async def test_a_cancelled_waiter_leaves_no_queued_pass(passes):
     assert not handlers._locks
 
 
-async def test_a_queued_pass_reads_the_object_once_it_holds_the_lock(passes, monkeypatch):
+async def test_a_queued_pass_reads_the_object_once_it_holds_the_lock(passes):
     """Issue 34's stale status: a child event's pass that waits for the lock reads the InferenceService
     after the pass before it finished (its status write, a spec change meanwhile), never before it
     queued: its status is computed from the object as it is when it runs."""
     runs, gate = passes
     client = kube.get_client()
-    generation = {"now": 1}
-    seen: list[int] = []
-
-    async def get(api_version, plural, namespace, name):
-        client.reads += 1
-        return {"metadata": {"name": name, "namespace": namespace, "generation": generation["now"]}}
-
-    async def record(client_, obj, namespace, name, logger, retry):
-        seen.append(obj["metadata"]["generation"])
-        await gate.wait()
-        return {}
-
-    monkeypatch.setattr(client, "get", get)
-    monkeypatch.setattr(handlers, "_reconcile", record)
     log = handlers.logging.getLogger("test")
     first = asyncio.create_task(handlers.reconcile("ns", "a", log))  # holds the lock
     await asyncio.sleep(0.01)
     child = asyncio.create_task(handlers.reconcile("ns", "a", log, coalesce=True))  # a Deployment event
     await asyncio.sleep(0.01)
-    generation["now"] = 2  # the user changes the spec while the child event's pass waits
+    client.generation = 2  # the user changes the spec while the child event's pass waits
     gate.set()
     await asyncio.gather(first, child)
-    assert seen == [1, 2] and not handlers._locks
+    assert client.handed == [1, 2] and not handlers._locks
 
 
 async def test_a_pod_event_raises_the_pod_lists_floor_before_its_pass(monkeypatch):
