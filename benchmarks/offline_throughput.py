@@ -12,17 +12,21 @@ paged-attention kernel and fused layer ops, oneDNN-prepacked linears, the CPU's 
 eager), ``no-prepack`` = the same with ``F.linear``, ``no-fused-ops`` = the same with torch's
 element-wise ops, ``compiled`` = ``-O3`` (piecewise torch.compile), ``before`` = eager with
 ``--attention-backend torch``, ``F.linear`` and torch's element-wise ops (the engine before the CPU
-kernels and prepacking). Writes JSON under benchmarks/results/.
+kernels and prepacking). With ``--vllm-python`` vLLM's CPU engine runs the same token ids on the same
+float32 weights in a process beside kvfleet (``benchmarks/_vllm.py`` says how to install it beside the project), and the
+ratio to it and the token identity are printed. Writes JSON under benchmarks/results/.
 
     python benchmarks/offline_throughput.py                        # the peer workload
     python benchmarks/offline_throughput.py --repeats 3 --threads 2
     python benchmarks/offline_throughput.py --quick                # 8 prompts × 32 tokens smoke run
+    python benchmarks/offline_throughput.py --repeats 3 --threads 2 --variants default --vllm-python /opt/vllm-venv/bin/python
     python benchmarks/offline_throughput.py --num-prompts 64 --min-len 100 --max-len 500 --output-len 128
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import random
@@ -31,6 +35,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+import _vllm
 from _common import print_cpu, write_json
 
 
@@ -171,6 +176,21 @@ def run_transformers(model_path, prompts, output_len, batch_size):
     return {"seconds": dt, "load_seconds": load_s, "output_tokens": sum(map(len, toks)), "batch_size": batch_size}, toks
 
 
+def vllm_job(args, model_path: str, prompts) -> _vllm.Job:
+    """vLLM's CPU engine on the same float32 weights, token ids, scheduler budget and threads
+    (``benchmarks/_vllm.py``), loaded and warmed up: each ``run()`` is one timed run."""
+    job = _vllm.Job(args.vllm_python, {"kind": "offline", "model": _vllm.hf_checkpoint(model_path), "prompts": prompts,
+                                       "max_tokens": args.output_len, "ignore_eos": True,
+                                       "engine": vllm_engine_args(args)}, torch.get_num_threads())
+    job.read()  # ready
+    return job
+
+
+def vllm_engine_args(args) -> dict:
+    return {"dtype": "float32", "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_num_seqs": args.max_num_seqs, "max_model_len": 2048, "seed": 0}
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run with the median tok/s (all runs' tok/s kept under "runs_tok_per_s")."""
     by = sorted(runs, key=lambda r: r["tok_per_s"])
@@ -195,6 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--skip-hf", action="store_true")
+    _vllm.add_argument(ap)
     ap.add_argument("--quick", action="store_true", help="8 prompts × 32 tokens")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/offline_throughput.json)")
     args = ap.parse_args(argv)
@@ -213,16 +234,23 @@ def main(argv=None) -> int:
                         "ignore_eos": True, "dtype": "float32", "model": model_path},
            "machine": {"threads": torch.get_num_threads(), "cpus": os.cpu_count(), "loadavg_before": load_before,
                        "torch": torch.__version__, "python": platform.python_version()}}
-    engines = {name: load_kvfleet(args.model, args.max_num_batched_tokens, args.max_num_seqs, **VARIANTS[name])
-               for name in args.variants}
-    runs: dict[str, list[dict]] = {name: [] for name in engines}
-    toks: dict[str, list] = {}
-    for _ in range(args.repeats):  # alternate the variants: load drifts on a shared machine
-        for name, (llm, _) in engines.items():
-            r, toks[name] = run_kvfleet(llm, prompts, args.output_len)
-            runs[name].append(r)
-            print(f"kvfleet {name:15s}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = "
-                  f"{r['tok_per_s']:.1f} tok/s; step time {r['step_breakdown_s']}", flush=True)
+    with vllm_job(args, model_path, prompts) if args.vllm_python else contextlib.nullcontext() as vllm:
+        engines = {name: load_kvfleet(args.model, args.max_num_batched_tokens, args.max_num_seqs, **VARIANTS[name])
+                   for name in args.variants}
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        toks: dict[str, list] = {}
+        vllm_runs: list[dict] = []
+        for _ in range(args.repeats):  # alternate the variants (and vLLM): load drifts on a shared machine
+            for name, (llm, _) in engines.items():
+                r, toks[name] = run_kvfleet(llm, prompts, args.output_len)
+                runs[name].append(r)
+                print(f"kvfleet {name:15s}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = "
+                      f"{r['tok_per_s']:.1f} tok/s; step time {r['step_breakdown_s']}", flush=True)
+            if vllm:
+                v = vllm.run()
+                vllm_runs.append(v)
+                print(f"vLLM CPU engine        : {v['output_tokens']} tokens in {v['seconds']:.1f}s = "
+                      f"{v['output_tokens'] / v['seconds']:.1f} tok/s", flush=True)
     for name, (llm, load_s) in engines.items():
         res[f"kvfleet_{name}"] = median_run(runs[name]) | {
             "load_seconds": load_s, "attention_backend": llm.engine.runner.backend.name,
@@ -245,6 +273,15 @@ def main(argv=None) -> int:
         print(f"{head} / {name}: {res[f'{head}_over_{name}']:.2f}x; identical sequences "
               f"{res[f'{head}_equals_{name}']}/{len(prompts)}")
     del engines
+    if vllm_runs:
+        rates = [r["output_tokens"] / r["seconds"] for r in vllm_runs]
+        res["vllm"] = {"version": _vllm.version(args.vllm_python), "engine": vllm_engine_args(args),
+                       "runs_tok_per_s": [round(r, 1) for r in rates], "median_tok_per_s": statistics.median(rates),
+                       "identical_to_kvfleet": sum(a == b for a, b in zip(toks[head], vllm_runs[-1]["token_ids"]))}
+        res["ratio_to_vllm"] = kv["median_tok_per_s"] / res["vllm"]["median_tok_per_s"]
+        print(f"vLLM {res['vllm']['version']} CPU engine: runs {res['vllm']['runs_tok_per_s']} tok/s, median "
+              f"{res['vllm']['median_tok_per_s']:.1f}; ratio kvfleet ({head}) / vLLM: {res['ratio_to_vllm']:.2f}x; "
+              f"identical sequences {res['vllm']['identical_to_kvfleet']}/{len(prompts)}")
     if not args.skip_hf:
         hf, hf_toks = run_transformers(model_path, prompts, args.output_len, args.hf_batch_size or args.num_prompts)
         hf["tok_per_s"] = hf["output_tokens"] / hf["seconds"]

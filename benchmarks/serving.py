@@ -13,7 +13,10 @@ For each server configuration (``--config NAME=FLAGS``, repeatable; default one,
 ``--issue16-rows`` replaces the rows by issue 16's two: random 128-word prompts × 64 tokens at
 concurrency 16, and a 1,024-word shared system prompt + 48-word questions × 32 tokens at concurrency 4.
 With ``--repeats N`` each row runs N times per configuration, configurations alternating per repeat
-(each server stays up), and the run with the median output tok/s is kept.
+(each server stays up), each repeat with new prompts (dataset seed = repeat index: a repeat of the same
+prompts would be served from the prefix cache), and the run with the median output tok/s is kept.
+With ``--vllm-python`` (``benchmarks/_vllm.py``) a ``vllm`` configuration is added last: ``vllm serve`` of the
+same weights as float32 safetensors with ``--vllm-arg`` flags (default ``--dtype float32``).
 Any other OpenAI-compatible server can be measured the same way with ``kvfleet-bench --base-url``.
 """
 
@@ -33,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+import _vllm
 from _common import print_cpu
 from kvfleet_server.bench import make_dataset, run_benchmark
 
@@ -47,13 +51,22 @@ def _free_port() -> int:
 
 
 @contextmanager
-def server(model: str, flags: list[str]):
-    """A kvfleet-server process; yields (url, cold start seconds: launch → first 200 on /health)."""
+def server(model: str, flags: list[str], vllm_python: str | None = None):
+    """A kvfleet-server process, or with ``vllm_python`` a ``vllm serve`` of the same weights as float32
+    safetensors (``benchmarks/_vllm.py``: same threads, no CPU reserved for its front end); yields (url, cold
+    start seconds: launch → first 200 on /health)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "kvfleet_server.cli", "--model", model, "--host", "127.0.0.1",
-                             "--port", str(port), "--disable-uvicorn-access-log", *flags])
+    common = ["--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", *flags]
+    if vllm_python:
+        from kvfleet_server.config import resolve_model
+
+        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               _vllm.hf_checkpoint(resolve_model(model)), *common]
+        proc = subprocess.Popen(cmd, env=_vllm.env(2), stdout=subprocess.DEVNULL)
+    else:
+        proc = subprocess.Popen([sys.executable, "-m", "kvfleet_server.cli", "--model", model, *common])
     try:
         while True:
             if proc.poll() is not None:
@@ -73,9 +86,11 @@ def server(model: str, flags: list[str]):
             proc.kill()
 
 
-def bench_row(url: str, row: tuple, num_prompts: int) -> dict:
+def bench_row(url: str, row: tuple, num_prompts: int, seed: int = 0) -> dict:
+    """One row's run; ``seed`` picks the prompts (and the shared prefix), so that a repeat on a server that
+    stays up is not served from the prefix cache its previous run filled."""
     dataset, conc, input_len, prefix_len, output_len = row
-    reqs = make_dataset(dataset, num_prompts, input_len, output_len, prefix_len=prefix_len, seed=0)
+    reqs = make_dataset(dataset, num_prompts, input_len, output_len, prefix_len=prefix_len, seed=seed)
     s = asyncio.run(run_benchmark(url, None, reqs, max_concurrency=conc, progress=False,
                                   endpoint="chat" if dataset == "shared-prefix" else "completions"))
     s.pop("_results")
@@ -94,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-arg", action="append", default=[], help="extra kvfleet-server flag (repeatable)")
     p.add_argument("--config", action="append", default=[], metavar="NAME=FLAGS",
                    help="a server configuration to compare (repeatable; the first is the baseline of the ratios)")
+    _vllm.add_argument(p)
+    p.add_argument("--vllm-arg", action="append", default=["--dtype", "float32"],
+                   help="flags of the vllm configuration (default --dtype float32)")
     p.add_argument("--issue16-rows", action="store_true", help="issue 16's two serving rows (see above)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "serving.json"),
@@ -102,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu = print_cpu()
     configs = [(c.split("=", 1)[0], shlex.split(c.split("=", 1)[1]) if "=" in c else []) for c in args.config]
     configs = configs or [("kvfleet", args.server_arg)]
+    if args.vllm_python:
+        configs.append(("vllm", args.vllm_arg))
     rows = ISSUE16_ROWS if args.issue16_rows else [
         (d, c, args.input_len, args.prefix_len if d == "shared-prefix" else 0, args.output_len)
         for d in ("random", "shared-prefix") for c in args.concurrency]
@@ -110,13 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     with ExitStack() as stack:
         urls = {}
         for name, flags in configs:  # one server at a time comes up; all stay up for the alternation
-            urls[name], cold = stack.enter_context(server(args.model, flags))
+            urls[name], cold = stack.enter_context(
+                server(args.model, flags, args.vllm_python if name == "vllm" else None))
             results[name] = {"flags": flags, "cold_start_s": cold, "runs": [[] for _ in rows]}
             print(f"{name}: launch -> first 200 on /health: {cold:.2f} s", flush=True)
-        for _ in range(args.repeats):
+        for rep in range(args.repeats):
             for i, row in enumerate(rows):
                 for name, _ in configs:
-                    s = bench_row(urls[name], row, args.num_prompts)
+                    s = bench_row(urls[name], row, args.num_prompts, seed=rep)
                     results[name]["runs"][i].append(s)
                     print(f"  {name} {row[0]} c{row[1]}: {s['output_throughput']:.1f} tok/s", flush=True)
     for r in results.values():

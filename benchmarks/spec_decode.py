@@ -14,10 +14,15 @@ reports the median tokens/s of each, the median of the pairs' ratios (and of the
 ratios: steps that computed no prompt token), the mean
 acceptance length (tokens emitted per verification, bonus token included) and the
 draft acceptance rate. JSON goes to benchmarks/results/spec_decode.json.
+With ``--vllm-python`` (``benchmarks/_vllm.py``) the n-gram rows at concurrency 1 also run vLLM's CPU engine
+on the same prompt token ids, weights and threads, without and with its n-gram proposer (``--vllm-num-speculative-tokens``
+drafts, prompt lookup 2-5), as many alternating runs as kvfleet's pairs, and print both engines' speculative wall
+seconds and the token identity with kvfleet's outputs.
 
     python benchmarks/spec_decode.py                   # every method, 4-12 pairs per row, up to 128 tokens
     python benchmarks/spec_decode.py --quick           # 2 pairs per row, up to 32 output tokens
     python benchmarks/spec_decode.py --methods ngram --reps 5
+    python benchmarks/spec_decode.py --methods ngram --concurrency 1 --vllm-python /opt/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import sys
 import time
 
 import torch
+import _vllm
 from _common import print_cpu
 
 OPEN = ["Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -134,6 +140,31 @@ def run(eng, prompts: list[str], concurrency: int, max_tokens: int, tag: str):
             [outs[i] for i in range(len(prompts))], drafts, draft_toks, accepted)
 
 
+def vllm_row(args, plain, prompts: list[str], kv_plain: list, kv_spec: list, pairs: int, kv_spec_s: float) -> dict:
+    """vLLM's CPU engine on the same prompts (token ids), weights and threads, one prompt at a time, without and
+    with its n-gram proposer (``--vllm-num-speculative-tokens`` drafts, prompt lookup 2-5), alternating, as many
+    runs as kvfleet's pairs; the median wall seconds of each (``benchmarks/_vllm.py``)."""
+    ids = [plain.tokenizer.encode(p, add_special_tokens=True) for p in prompts]
+    from kvfleet_server.config import resolve_model
+
+    ngram = {"method": "ngram", "num_speculative_tokens": args.vllm_num_speculative_tokens,
+             "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    engine = {"dtype": "float32", "max_model_len": 1024, "seed": 0}
+    job = {"kind": "sequential", "model": _vllm.hf_checkpoint(resolve_model(plain.config.model)), "prompts": ids,
+           "max_tokens": args.max_tokens, "ignore_eos": False, "repeats": pairs, "engine": engine,
+           "speculative_configs": {"plain": None, "ngram": ngram}}
+    with _vllm.Job(args.vllm_python, job, args.threads) as j:
+        out = j.read()
+    p_s = statistics.median(r["seconds"] for r in out["plain"]["runs"])
+    s_s = statistics.median(r["seconds"] for r in out["ngram"]["runs"])
+    n_p, n_s = out["plain"]["runs"][0]["output_tokens"], out["ngram"]["runs"][0]["output_tokens"]
+    return dict(version=_vllm.version(args.vllm_python), speculative_config=ngram, plain_s=round(p_s, 3),
+                spec_s=round(s_s, 3), plain_tok_s=round(n_p / p_s, 2), spec_tok_s=round(n_s / s_s, 2),
+                ratio=round(p_s / s_s, 3), kvfleet_spec_s=round(kv_spec_s, 3),
+                plain_same=sum(a == b for a, b in zip(kv_plain, out["plain"]["token_ids"])),
+                spec_same=sum(a == b for a, b in zip(kv_spec, out["ngram"]["token_ids"])))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
@@ -148,6 +179,9 @@ def main() -> None:
     ap.add_argument("--break-even-floor", action="store_true",
                     help="pin every method's acceptance cut-off at the floor, DraftGate.MIN_ACCEPTANCE (not the break-even): what a method's "
                          "drafts do when they are verified, not whether they pay")
+    _vllm.add_argument(ap)
+    ap.add_argument("--vllm-num-speculative-tokens", type=int, default=4,
+                    help="vLLM's n-gram drafts per step (its prompt lookup 2-5 tokens, as kvfleet's)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                                   "spec_decode.json"))
     args = ap.parse_args()
@@ -177,7 +211,7 @@ def main() -> None:
             for conc in args.concurrency:
                 ps = prompts[: args.num_prompts_c1] if conc == 1 else prompts[:conc]
                 a_rates, b_rates, a_dec, b_dec, same, stats = [], [], [], [], True, [0, 0, 0]
-                r, secs = 0, {plain: 0.0, eng: 0.0}
+                r, secs, kv_spec_s = 0, {plain: 0.0, eng: 0.0}, []
                 # an even number of pairs, at least --reps, more (up to 4x) until each engine ran --min-seconds
                 while r < args.reps or r % 2 or (min(secs.values()) < args.min_seconds and r < 4 * args.reps):
                     # ABBA: odd pairs run the speculative engine first, so order effects cancel
@@ -193,6 +227,7 @@ def main() -> None:
                     a_dec.append(ad)
                     b_dec.append(bd)
                     same &= a_out == b_out
+                    kv_spec_s.append(sum(len(o) for o in b_out) / b)
                     stats = [stats[0] + d, stats[1] + dt, stats[2] + acc]
                 pa, pb = statistics.median(a_rates), statistics.median(b_rates)
                 da, db = statistics.median(a_dec), statistics.median(b_dec)
@@ -216,6 +251,13 @@ def main() -> None:
                 print(f"{name:<20} {wname:<15} {conc:>4} {pa:>11.2f} {pb:>10.2f} {ratio:>6.2f} "
                       f"{'-' if dec_ratio is None else f'{dec_ratio:.2f}':>12} {al:>10} {ar:>8} "
                       f"{str(same):>5}", flush=True)
+                if args.vllm_python and name == "ngram" and conc == 1:
+                    row["vllm"] = vllm_row(args, plain, ps, a_out, b_out, r, statistics.median(kv_spec_s))
+                    v = row["vllm"]
+                    print(f"{'  vLLM ' + v['version']:<20} {wname:<15} {conc:>4} {v['plain_tok_s']:>11.2f} "
+                          f"{v['spec_tok_s']:>10.2f} {v['ratio']:>6.2f}  wall s: kvfleet spec {v['kvfleet_spec_s']:.2f} "
+                          f"vs vLLM spec {v['spec_s']:.2f} ({v['kvfleet_spec_s'] / v['spec_s']:.2f}x); same tokens "
+                          f"as kvfleet: plain {v['plain_same']}/{len(ps)}, spec {v['spec_same']}/{len(ps)}", flush=True)
         del eng
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
