@@ -134,6 +134,31 @@ def test_kernel_uses_torch_threads(cpu_backend):
     assert one["rel_err"] < 1e-5
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
+def test_decode_bits_do_not_depend_on_the_work_split(cpu_backend, kv_dtype):
+    """A decode batch with at least twice as many rows as threads gives each thread whole rows (every kv head of a
+    row in one work item, its K/V rows read whole), a smaller one a row's kv heads apart: the same bits either way
+    (here 6 rows at 1 thread: whole rows, at 4 threads: heads apart), and within 1e-5 of the oracle."""
+    from kvfleet_server.attention.cpu_backend import paged_rows
+
+    case = make_case([(37, 1), (16, 1), (5, 1), (70, 1), (3, 1), (50, 1)], 9, 3, 16, 8, torch.float32, seed=7)
+    if kv_dtype != torch.float32:
+        case.k_cache, case.v_cache = case.k_cache.to(kv_dtype), case.v_cache.to(kv_dtype)
+    tables, rows, row_seq, row_len = paged_rows(case.meta)
+    n, outs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 4):
+            torch.set_num_threads(threads)
+            out = torch.empty_like(case.q)
+            cpu_backend.op(out, case.q, case.k_cache, case.v_cache, tables, rows, row_seq, row_len, 0.125, 1.0, 1.0)
+            outs.append(out)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(outs[0], outs[1])
+    if kv_dtype == torch.float32:
+        assert compare(cpu_backend, TorchAttentionBackend(), case)["rel_err"] < 1e-5
+
+
 def test_auto_picks_the_cpu_kernel_and_refuses_it_elsewhere():
     assert resolve_attention_backend("auto", "cpu") == "cpu"
     assert resolve_attention_backend("cpu", "cpu") == "cpu"
@@ -186,6 +211,29 @@ def test_kernel_refuses_out_of_range_indices(cpu_backend, field, value, match):
     out = torch.empty_like(case.q)
     with pytest.raises(RuntimeError, match=match):
         cpu_backend.op(out, case.q, case.k_cache, case.v_cache, tables, rows, row_seq, row_len, 1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_equals_index_copy_skips_pad_slots_and_refuses_a_bad_slot(cpu_backend, dtype):
+    """reshape_and_cache_cpu writes what write_kv's index_copy_ writes, from K/V that are views into a fused
+    qkv row (the model's layout), leaves pad slots (-1) unwritten, and refuses a slot past the pool by name
+    before writing anything."""
+    g = torch.Generator().manual_seed(0)
+    T, kvh, hd, nb, bs = 7, 3, 64, 5, 16
+    qkv = torch.randn(T, (9 + 2 * kvh) * hd, generator=g).to(dtype)
+    k, v = (qkv[:, (9 + i * kvh) * hd:(9 + (i + 1) * kvh) * hd].view(T, kvh, hd) for i in range(2))
+    slots = torch.tensor([3, 17, -1, 40, 79, -1, 0])
+    caches = [torch.randn(nb, bs, kvh, hd, generator=g).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    keep = slots >= 0
+    for w, x in zip(want, (k, v)):
+        w.view(-1, kvh, hd).index_copy_(0, slots[keep], x[keep])
+    cpu_backend.write_op(k, v, caches[0], caches[1], slots)
+    assert all(torch.equal(c, w) for c, w in zip(caches, want))
+    before = [c.clone() for c in caches]
+    with pytest.raises(RuntimeError, match=r"slot 80 outside \[0, 80\)"):
+        cpu_backend.write_op(k, v, caches[0], caches[1], torch.tensor([1, 2, 3, 4, 5, 6, 80]))
+    assert all(torch.equal(c, b) for c, b in zip(caches, before))
 
 
 def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path):

@@ -9,7 +9,8 @@ and values once for all of its rows (``paged_span_attention_cpu``); other spans 
 chunks over a cached prefix are gathered and attended with SDPA (its matrix products win there: measured
 in benchmarks/cpu_attention.py), and chunks that start at position 0 attend over themselves with SDPA
 (flash attention on the CPU), as in the torch backend — vLLM's CPU backend makes the same split. K/V
-writes (and FP8 quantization) are the torch backend's.
+writes go to ``reshape_and_cache_cpu`` (one copy per row), FP8 caches (quantized on write) to the torch
+backend's ``write_kv``.
 
 The per-step row tables (which row attends which sequence's first how many tokens) are built once,
 by the first layer, and kept in ``AttentionMetadata.backend_cache``.
@@ -85,10 +86,15 @@ class CpuPagedAttentionBackend(AttentionBackend):
             raise RuntimeError(f"the CPU paged-attention kernel could not be built: {load_error()}")
         self.op = torch.ops.kvfleet.paged_attention_cpu
         self.span_op = torch.ops.kvfleet.paged_span_attention_cpu
+        self.write_op = torch.ops.kvfleet.reshape_and_cache_cpu
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        k, v = write_kv(k, v, k_cache, v_cache, meta, kv_scales)
+        if kv_scales is None and k.stride(-1) == 1 and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] \
+                and v.stride(-1) == 1:  # the C++ write (one memcpy per row); FP8 quantizes in write_kv
+            self.write_op(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            k, v = write_kv(k, v, k_cache, v_cache, meta, kv_scales)
         read = cache_reader(k_cache, kv_scales, q.dtype)
         out = torch.empty_like(q)
         cache = meta.backend_cache

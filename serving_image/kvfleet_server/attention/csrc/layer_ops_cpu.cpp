@@ -5,7 +5,8 @@
 // OpenMP pool (at::parallel_for) once a call is large enough to pay for it.
 //
 // Registered as torch.ops.kvfleet.{rms_norm_cpu, fused_add_rms_norm_cpu, rotary_embedding_cpu,
-// silu_and_mul_cpu}; the torch versions in model/layers/layer_ops.py are the reference.
+// silu_and_mul_cpu}; the torch versions in model/layers/layer_ops.py are the reference. The KV write of a
+// step, reshape_and_cache_cpu, is here too (its reference: attention/torch_ref.py write_kv).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "vec_avx2.h"
@@ -189,6 +191,43 @@ void silu_and_mul_cpu(at::Tensor out, const at::Tensor& x) {
   });
 }
 
+// k_cache/v_cache viewed as [num_slots, num_kv_heads * head_dim]: row slots[t] = k[t] / v[t] (vLLM's
+// reshape_and_cache); a negative slot (PAD_SLOT_ID) writes nothing. One memcpy per row instead of
+// index_copy_'s TensorIterator set-up, which costs ~50 us for a decode step's few rows.
+void reshape_and_cache_cpu(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                           const at::Tensor& slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3),
+              "reshape_and_cache_cpu: k, v [T, num_kv_heads, head_dim] and contiguous caches "
+              "[num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
+              "reshape_and_cache_cpu: k, v and the caches must share a dtype");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
+              "reshape_and_cache_cpu: each row of k and v must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1 &&
+                  slots.size(0) == k.size(0),
+              "reshape_and_cache_cpu: slots must be contiguous int64 [T]");
+  const int64_t T = k.size(0), num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)  // every slot in range before any write
+    TORCH_CHECK(sp[t] < num_slots, "reshape_and_cache_cpu: slot ", sp[t], " outside [0, ", num_slots, ")");
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  at::parallel_for(0, T, std::max<int64_t>(1, (kGrainElems * 4) / row_bytes), [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      if (sp[t] < 0) continue;
+      std::memcpy(kc + sp[t] * row_bytes, kp + t * ks, row_bytes);
+      std::memcpy(vc + sp[t] * row_bytes, vp + t * vs, row_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvfleet, m) {
@@ -196,6 +235,7 @@ TORCH_LIBRARY_FRAGMENT(kvfleet, m) {
   m.def("fused_add_rms_norm_cpu(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding_cpu(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul_cpu(Tensor(a!) out, Tensor x) -> ()");
+  m.def("reshape_and_cache_cpu(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvfleet, CPU, m) {
@@ -203,4 +243,5 @@ TORCH_LIBRARY_IMPL(kvfleet, CPU, m) {
   m.impl("fused_add_rms_norm_cpu", &fused_add_rms_norm_cpu);
   m.impl("rotary_embedding_cpu", &rotary_embedding_cpu);
   m.impl("silu_and_mul_cpu", &silu_and_mul_cpu);
+  m.impl("reshape_and_cache_cpu", &reshape_and_cache_cpu);
 }

@@ -1,7 +1,8 @@
 // Paged attention on the CPU, reading K/V in place through block tables (no gather, no padding).
 //
-// One work item = one query row x one kv head: the row's G = num_heads / num_kv_heads query heads
-// share every K/V load (GQA). Scores over the row's visible keys are computed 8 keys at a time into a
+// One work item = one query row x its kv heads (x one kv head when there are fewer rows than twice the
+// threads): the row's G = num_heads / num_kv_heads query heads share every K/V load (GQA), and a token's
+// K/V row of all kv heads is read as one contiguous span. Scores over the row's visible keys are computed 8 keys at a time into a
 // thread-local buffer, soft-maxed in float32, then V is accumulated in float32 — the two-pass form of
 // vLLM's CPU paged attention (PagedAttention, Kwon et al. 2023); the next keys are prefetched while
 // one group is read. The x86-64-v3 build runs the inner loops in AVX2 (vec_avx2.h), others in scalar
@@ -70,12 +71,16 @@ struct Fp8Loader {
   }
 };
 
-// Prefetch one token's head_dim values (64-byte lines).
-template <typename c_t>
+// Prefetch one token's head_dim values (64-byte lines), into L1 (LOCALITY 3) or L2 (LOCALITY 2).
+template <int LOCALITY = 3, typename c_t>
 inline void prefetch_row(const c_t* p, int64_t D) {
   const char* c = reinterpret_cast<const char*>(p);
-  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(c_t)); b += 64) __builtin_prefetch(c + b);
+  for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(c_t)); b += 64) __builtin_prefetch(c + b, 0, LOCALITY);
 }
+
+// How many tokens ahead pass 1 prefetches K (into L1) and V (into L2, for pass 2). A decode step streams
+// its K/V from memory: at ~15 cycles of work per token, 8 tokens ahead is shorter than one DRAM latency.
+constexpr int64_t PREFETCH_TOKENS = 32;
 
 // scores[t] = q . k_t for 8 key rows (float32, D values each)
 inline void dot8(const float* q, const float* const* k, int64_t D, float* scores) {
@@ -164,54 +169,74 @@ void attend(at::Tensor& out, const at::Tensor& q, const c_t* k_base, const c_t* 
   const int64_t* rl = row_len.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
 
-  at::parallel_for(0, R * KVH, 1, [&](int64_t begin, int64_t end) {
-    // scores: G rows of Lp = L rounded up to 8 (pass 1 writes 8 at a time); scratch: 8 converted K rows
-    std::vector<float> scores, qf(G * D), acc(G * D), scratch(8 * D), inv_sum(G);
+  // A work item is one row's HPI kv heads: all of them (each token's K/V row is then read whole, one
+  // contiguous stream per block) once there are enough rows to keep every thread busy, else one (a few
+  // decodes still spread over the threads).
+  const int64_t HPI = R >= 2 * at::get_num_threads() ? KVH : 1, items_per_row = KVH / HPI;
+  at::parallel_for(0, R * items_per_row, 1, [&](int64_t begin, int64_t end) {
+    // scores: HPI * G rows of Lp = L rounded up to 8 (pass 1 writes 8 at a time); scratch: 8 converted K rows
+    std::vector<float> scores, qf(HPI * G * D), acc(G * D), scratch(8 * D), inv_sum(HPI * G);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / KVH, kh = item % KVH;
+      const int64_t r = item / items_per_row, kh0 = (item % items_per_row) * HPI;
       const int64_t row = rw[r], L = rl[r], Lp = (L + 7) / 8 * 8;
       const int64_t* table = tab + rs[r] * W;
-      auto token = [&](const c_t* base, int64_t t) {  // kv head kh's D values of token t
-        return base + table[t / BS] * blk_stride + (t % BS) * tok_stride + kh * D;
+      auto token = [&](const c_t* base, int64_t t) {  // kv head kh0's D values of token t (kh0 + i: + i * D)
+        return base + table[t / BS] * blk_stride + (t % BS) * tok_stride + kh0 * D;
       };
-      scores.resize(G * Lp);
-      for (int64_t g = 0; g < G; ++g) {
-        const q_t* src = qp + row * q_s0 + (kh * G + g) * q_s1;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(src[d]) * sc;
+      scores.resize(HPI * G * Lp);
+      for (int64_t h = 0; h < HPI * G; ++h) {
+        const q_t* src = qp + row * q_s0 + (kh0 * G + h) * q_s1;
+        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(src[d]) * sc;
       }
-      // pass 1: scores[g][t] = q_g . k_t, 8 keys at a time (a short last group repeats its last key)
+      // pass 1: scores[h][t] = q_h . k_t, 8 keys at a time (a short last group repeats its last key); K is
+      // prefetched PREFETCH_TOKENS ahead into L1 and V into L2, so that pass 2 reads V from L2
+      const int64_t span = HPI * D;  // the values of one token this item reads
+      for (int64_t t = 0; t < std::min(L, PREFETCH_TOKENS); ++t) {
+        prefetch_row<2>(token(k_base, t), span);
+        prefetch_row<2>(token(v_base, t), span);
+      }
       for (int64_t t0 = 0; t0 < L; t0 += 8) {
-        const float* k8[8];
+        const c_t* krow[8];
         for (int j = 0; j < 8; ++j) {
-          const int64_t t = std::min(t0 + j, L - 1);
-          k8[j] = load_k.row(token(k_base, t), scratch.data() + j * D, D);
-          if (t0 + 8 + j < L) prefetch_row(token(k_base, t0 + 8 + j), D);
-        }
-        for (int64_t g = 0; g < G; ++g) dot8(qf.data() + g * D, k8, D, scores.data() + g * Lp + t0);
-      }
-      for (int64_t g = 0; g < G; ++g) inv_sum[g] = 1.f / softmax_numerator(scores.data() + g * Lp, L);
-      // pass 2: acc[g] = sum_t p[g][t] v_t
-      auto v_row = [&](int64_t t, int64_t c, int64_t n) {  // values [c, c + n) of token t's V, as float32
-        if (c == 0 && t + 4 < L) prefetch_row(token(v_base, t + 4), D);
-        return load_v.row(token(v_base, t) + c, scratch.data(), n);
-      };
-#ifdef KVFLEET_AVX2
-      if (D % 32 == 0) {
-        for (int64_t g0 = 0; g0 < G; g0 += 3) {
-          const float* p = scores.data() + g0 * Lp;
-          float* a = acc.data() + g0 * D;
-          switch (std::min<int64_t>(3, G - g0)) {
-            case 3: weighted_sum_v<3>(p, Lp, L, D, v_row, a); break;
-            case 2: weighted_sum_v<2>(p, Lp, L, D, v_row, a); break;
-            default: weighted_sum_v<1>(p, Lp, L, D, v_row, a);
+          krow[j] = token(k_base, std::min(t0 + j, L - 1));
+          if (t0 + PREFETCH_TOKENS + j < L) {
+            prefetch_row<2>(token(k_base, t0 + PREFETCH_TOKENS + j), span);
+            prefetch_row<2>(token(v_base, t0 + PREFETCH_TOKENS + j), span);
           }
         }
-      } else
+        for (int64_t i = 0; i < HPI; ++i) {
+          const float* k8[8];
+          for (int j = 0; j < 8; ++j) k8[j] = load_k.row(krow[j] + i * D, scratch.data() + j * D, D);
+          for (int64_t g = 0; g < G; ++g)
+            dot8(qf.data() + (i * G + g) * D, k8, D, scores.data() + (i * G + g) * Lp + t0);
+        }
+      }
+      for (int64_t h = 0; h < HPI * G; ++h) inv_sum[h] = 1.f / softmax_numerator(scores.data() + h * Lp, L);
+      // pass 2, per kv head: acc[g] = sum_t p[g][t] v_t
+      for (int64_t i = 0; i < HPI; ++i) {
+        const float* p_i = scores.data() + i * G * Lp;
+        auto v_row = [&](int64_t t, int64_t c, int64_t n) {  // values [c, c + n) of token t's V, as float32
+          if (c == 0 && t + 4 < L) prefetch_row(token(v_base, t + 4) + i * D, D);
+          return load_v.row(token(v_base, t) + i * D + c, scratch.data(), n);
+        };
+#ifdef KVFLEET_AVX2
+        if (D % 32 == 0) {
+          for (int64_t g0 = 0; g0 < G; g0 += 3) {
+            const float* p = p_i + g0 * Lp;
+            float* a = acc.data() + g0 * D;
+            switch (std::min<int64_t>(3, G - g0)) {
+              case 3: weighted_sum_v<3>(p, Lp, L, D, v_row, a); break;
+              case 2: weighted_sum_v<2>(p, Lp, L, D, v_row, a); break;
+              default: weighted_sum_v<1>(p, Lp, L, D, v_row, a);
+            }
+          }
+        } else
 #endif
-        weighted_sum_v_scalar(scores.data(), Lp, L, D, G, v_row, acc.data());
-      for (int64_t g = 0; g < G; ++g) {
-        q_t* dst = op + row * o_s0 + (kh * G + g) * o_s1;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[g * D + d] * inv_sum[g]);
+          weighted_sum_v_scalar(p_i, Lp, L, D, G, v_row, acc.data());
+        for (int64_t g = 0; g < G; ++g) {
+          q_t* dst = op + row * o_s0 + ((kh0 + i) * G + g) * o_s1;
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(acc[g * D + d] * inv_sum[i * G + g]);
+        }
       }
     }
   });
