@@ -11,7 +11,8 @@ question), each in the path the cpu backend takes (float32 spans of 4-64 rows: t
 table times spans of 2-65 rows over a 250- and a 1,400-token prefix (a decode with 1-64 drafts; the
 spec_decode benchmark's contexts are ~250 tokens) in each of the three paths the cpu backend can take — the
 span kernel (``SPAN_MIN_ROWS``-``SPAN_MAX_ROWS`` float32 rows), the per-row kernel, gather + SDPA — and
-names the one it takes.
+names the one it takes. A third table times chunks that start at position 0 (8-1,100 rows) in the span kernel
+and in SDPA; the last line, the peer decode step over 30 layers' caches streamed from memory.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import copy
 import torch
 from _common import kernel_bench_args, median_seconds
 
-from kvfleet_server.attention.cpu_backend import CpuPagedAttentionBackend
+from kvfleet_server.attention.cpu_backend import CpuPagedAttentionBackend, paged_rows
 from kvfleet_server.attention.parity import make_case, rel_err, run_backend
 from kvfleet_server.attention.torch_ref import TorchAttentionBackend
 
@@ -58,6 +59,46 @@ def main() -> None:
         err = rel_err(run_backend(cpu, case)[0], run_backend(ref, case)[0])
         print(f"{name:44s} {t_ref * 1e3:9.3f} {t_cpu * 1e3:8.3f} {t_ref / t_cpu:8.2f}x {err:9.1e}")
     spans(cpu, args.repeats)
+    from_zero(cpu, args.repeats)
+    streamed_decode(cpu, args.repeats)
+
+
+def from_zero(cpu, repeats: int) -> None:
+    """Chunks that start at position 0 (causal over themselves): the span kernel against SDPA."""
+    from kvfleet_server.attention import cpu_backend as cb
+
+    print(f"\n{'chunk from position 0':30s} {'span kernel ms':>17s} {'SDPA ms':>17s} {'taken':>15s} {'SDPA / taken':>13s}")
+    saved = cb.SPAN_MIN_ROWS
+    for rows in (8, 16, 64, 200, 700, 1100):
+        case = make_case([(0, rows)], 9, 3, 64, 16, torch.float32, share=False)
+        taken = "span kernel" if cb._in_span_kernel(case.meta.prefills[0], case.q, case.k_cache, None) else "SDPA"
+        t_span = timed(cpu, case, repeats)
+        try:
+            cb.SPAN_MIN_ROWS = 1 << 30
+            t_sdpa = timed(cpu, case, repeats)
+        finally:
+            cb.SPAN_MIN_ROWS = saved
+        t_taken = t_span if taken == "span kernel" else t_sdpa
+        print(f"{f'{rows} rows':30s} {t_span * 1e3:17.3f} {t_sdpa * 1e3:17.3f} {taken:>15s} {t_sdpa / t_taken:12.2f}x")
+
+
+def streamed_decode(cpu, repeats: int, layers: int = 30) -> None:
+    """The peer decode step over ``layers`` layers, each with its own cache, so that K/V stream from memory as
+    in a real step (the tables above reuse one layer's cache, which stays in the CPU's caches): the best of
+    ``repeats`` steps, per layer, and the K/V bytes read per second."""
+    seqs = ROWS["peer decode step (32 seqs, ctx 52-232)"]
+    cases = [make_case(seqs, 9, 3, 64, 16, torch.float32, share=False, seed=i) for i in range(layers)]
+    tables, rows, row_seq, row_len = paged_rows(cases[0].meta)
+    out = torch.empty_like(cases[0].q)
+
+    def step():
+        for c in cases:
+            cpu.op(out, c.q, c.k_cache, c.v_cache, tables, rows, row_seq, row_len, c.scale, 1.0, 1.0)
+    step()
+    best = min(median_seconds(step, 1, warmup=0) for _ in range(repeats))
+    kv_bytes = int(row_len.sum()) * 3 * 64 * 4 * 2 * layers
+    print(f"\npeer decode step, {layers} layers' caches streamed from memory: {best / layers * 1e6:.0f} us per layer, "
+          f"{kv_bytes / best / 1e9:.1f} GB/s of K/V")
 
 
 def spans(cpu, repeats: int) -> None:
