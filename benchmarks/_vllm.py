@@ -33,7 +33,10 @@ def add_argument(ap) -> None:
 
 def hf_checkpoint(gguf_path: str) -> str:
     """A Hugging Face directory (config, tokenizer, float32 safetensors) of the GGUF at ``gguf_path``,
-    converted once and kept under benchmarks/results/.hf/; returns its path."""
+    converted once and kept under benchmarks/results/.hf/; returns its path (a model that is already a
+    Hugging Face directory is returned as it is: vLLM loads it with ``dtype="float32"``)."""
+    if os.path.isdir(gguf_path):
+        return gguf_path
     out = os.path.join(CACHE, os.path.splitext(os.path.basename(gguf_path))[0] + "-f32")
     if os.path.exists(os.path.join(out, "model.safetensors")):
         return out

@@ -182,13 +182,17 @@ def vllm_job(args, model_path: str, prompts) -> _vllm.Job:
     job = _vllm.Job(args.vllm_python, {"kind": "offline", "model": _vllm.hf_checkpoint(model_path), "prompts": prompts,
                                        "max_tokens": args.output_len, "ignore_eos": True,
                                        "engine": vllm_engine_args(args)}, torch.get_num_threads())
-    job.read()  # ready
+    try:
+        job.read()  # ready
+    except BaseException:
+        job.__exit__(None, None, None)
+        raise
     return job
 
 
 def vllm_engine_args(args) -> dict:
     return {"dtype": "float32", "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_num_seqs": args.max_num_seqs, "max_model_len": 2048, "seed": 0}
+            "max_num_seqs": args.max_num_seqs, "max_model_len": max(2048, args.max_len + args.output_len), "seed": 0}
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -279,12 +283,12 @@ def main(argv=None) -> int:
                        "runs_tok_per_s": [round(r, 1) for r in rates], "median_tok_per_s": statistics.median(rates),
                        "identical_to_kvfleet": sum(a == b for a, b in zip(toks[head], vllm_runs[-1]["token_ids"]))}
         res["ratio_to_vllm"] = kv["median_tok_per_s"] / res["vllm"]["median_tok_per_s"]
-        # each repeat's kvfleet run over the vLLM run right after it: robust to a drifting machine
+        # each repeat's kvfleet run (the headline variant) over that repeat's vLLM run: robust to a drifting machine
         res["ratio_to_vllm_pairwise_median"] = statistics.median(
             k["tok_per_s"] / r for k, r in zip(runs[head], rates))
         print(f"vLLM {res['vllm']['version']} CPU engine: runs {res['vllm']['runs_tok_per_s']} tok/s, median "
               f"{res['vllm']['median_tok_per_s']:.1f}; ratio kvfleet ({head}) / vLLM: {res['ratio_to_vllm']:.2f}x "
-              f"(median of the adjacent runs' ratios {res['ratio_to_vllm_pairwise_median']:.2f}x); "
+              f"(median of each repeat's ratio {res['ratio_to_vllm_pairwise_median']:.2f}x); "
               f"identical sequences {res['vllm']['identical_to_kvfleet']}/{len(prompts)}")
     if not args.skip_hf:
         hf, hf_toks = run_transformers(model_path, prompts, args.output_len, args.hf_batch_size or args.num_prompts)

@@ -13,8 +13,8 @@ For each server configuration (``--config NAME=FLAGS``, repeatable; default one,
 ``--issue16-rows`` replaces the rows by issue 16's two: random 128-word prompts × 64 tokens at
 concurrency 16, and a 1,024-word shared system prompt + 48-word questions × 32 tokens at concurrency 4.
 With ``--repeats N`` each row runs N times per configuration, configurations alternating per repeat
-(each server stays up), each repeat with new prompts (dataset seed = repeat index: a repeat of the same
-prompts would be served from the prefix cache), and the run with the median output tok/s is kept.
+(each server stays up), each row and repeat with its own prompts (the dataset seed numbers them: the same
+prompts again would be served from the prefix cache), and the run with the median output tok/s is kept.
 With ``--vllm-python`` (``benchmarks/_vllm.py``) a ``vllm`` configuration is added last: ``vllm serve`` of the
 same weights as float32 safetensors with ``--vllm-arg`` flags (default ``--dtype float32``).
 Any other OpenAI-compatible server can be measured the same way with ``kvfleet-bench --base-url``.
@@ -57,15 +57,18 @@ def server(model: str, flags: list[str], vllm_python: str | None = None):
     start seconds: launch → first 200 on /health)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
     common = ["--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log", *flags]
     if vllm_python:
         from kvfleet_server.config import resolve_model
+        from kvfleet_server.threads import default_num_threads
 
-        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-               _vllm.hf_checkpoint(resolve_model(model)), *common]
-        proc = subprocess.Popen(cmd, env=_vllm.env(2), stdout=subprocess.DEVNULL)
+        weights = _vllm.hf_checkpoint(resolve_model(model))  # converted before the cold-start clock starts
+        t0 = time.monotonic()
+        cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", weights, *common]
+        # the threads kvfleet-server takes by default (threads.py)
+        proc = subprocess.Popen(cmd, env=_vllm.env(default_num_threads()), stdout=subprocess.DEVNULL)
     else:
+        t0 = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "kvfleet_server.cli", "--model", model, *common])
     try:
         while True:
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.repeats):
             for i, row in enumerate(rows):
                 for name, _ in configs:
-                    s = bench_row(urls[name], row, args.num_prompts, seed=rep)
+                    s = bench_row(urls[name], row, args.num_prompts, seed=rep * len(rows) + i)
                     results[name]["runs"][i].append(s)
                     print(f"  {name} {row[0]} c{row[1]}: {s['output_throughput']:.1f} tok/s", flush=True)
     for r in results.values():

@@ -134,6 +134,22 @@ def test_kernel_uses_torch_threads(cpu_backend):
     assert one["rel_err"] < 1e-5
 
 
+def test_chunks_from_position_0_reach_the_span_kernel_within_its_context_cap():
+    """A float32 chunk that starts at position 0 goes to the span kernel from SPAN_MIN_ROWS rows up to
+    SPAN_MAX_CONTEXT (its panels' memory bound), to SDPA outside that range, and never for other dtypes."""
+    from kvfleet_server.attention import cpu_backend as cb
+    from kvfleet_server.attention.backend import PrefillSpan
+
+    q, cache = torch.empty(1, 9, 64), torch.empty(1, 16, 3, 64)
+
+    def taken(n, dtype=torch.float32):
+        return cb._in_span_kernel(PrefillSpan(0, n, n, torch.zeros(1, dtype=torch.long)), q.to(dtype),
+                                  cache.to(dtype), None)
+    assert [taken(n) for n in (cb.SPAN_MIN_ROWS - 1, cb.SPAN_MIN_ROWS, 1100, cb.SPAN_MAX_CONTEXT,
+                               cb.SPAN_MAX_CONTEXT + 1)] == [False, True, True, True, False]
+    assert not taken(64, torch.bfloat16)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float8_e4m3fn])
 def test_decode_bits_do_not_depend_on_the_work_split(cpu_backend, kv_dtype):
     """A decode batch with at least twice as many rows as threads gives each thread whole rows (every kv head of a
@@ -222,7 +238,7 @@ def test_kv_write_equals_index_copy_skips_pad_slots_and_refuses_a_bad_slot(cpu_b
     T, kvh, hd, nb, bs = 7, 3, 64, 5, 16
     qkv = torch.randn(T, (9 + 2 * kvh) * hd, generator=g).to(dtype)
     k, v = (qkv[:, (9 + i * kvh) * hd:(9 + (i + 1) * kvh) * hd].view(T, kvh, hd) for i in range(2))
-    slots = torch.tensor([3, 17, -1, 40, 79, -1, 0])
+    slots = torch.tensor([3, 17, -1, 40, 79, -1, 6])  # no real row writes slot 0 or the last: a stray pad write shows
     caches = [torch.randn(nb, bs, kvh, hd, generator=g).to(dtype) for _ in range(2)]
     want = [c.clone() for c in caches]
     keep = slots >= 0

@@ -78,7 +78,7 @@ inline void prefetch_row(const c_t* p, int64_t D) {
   for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(c_t)); b += 64) __builtin_prefetch(c + b, 0, LOCALITY);
 }
 
-// How many tokens ahead pass 1 prefetches K (into L1) and V (into L2, for pass 2). A decode step streams
+// How many tokens ahead pass 1 prefetches K and V into L2 (V for pass 2). A decode step streams
 // its K/V from memory: at ~15 cycles of work per token, 8 tokens ahead is shorter than one DRAM latency.
 constexpr int64_t PREFETCH_TOKENS = 32;
 
@@ -189,7 +189,7 @@ void attend(at::Tensor& out, const at::Tensor& q, const c_t* k_base, const c_t* 
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(src[d]) * sc;
       }
       // pass 1: scores[h][t] = q_h . k_t, 8 keys at a time (a short last group repeats its last key); K is
-      // prefetched PREFETCH_TOKENS ahead into L1 and V into L2, so that pass 2 reads V from L2
+      // and V are prefetched PREFETCH_TOKENS ahead into L2, so that pass 2 reads V from L2
       const int64_t span = HPI * D;  // the values of one token this item reads
       for (int64_t t = 0; t < std::min(L, PREFETCH_TOKENS); ++t) {
         prefetch_row<2>(token(k_base, t), span);
