@@ -2,10 +2,10 @@
 //
 // One work item = one query row x its kv heads (x one kv head when there are fewer rows than twice the
 // threads): the row's G = num_heads / num_kv_heads query heads share every K/V load (GQA), and a token's
-// K/V row of all kv heads is read as one contiguous span. Scores over the row's visible keys are computed 8 keys at a time into a
-// thread-local buffer, soft-maxed in float32, then V is accumulated in float32 — the two-pass form of
-// vLLM's CPU paged attention (PagedAttention, Kwon et al. 2023); the next keys are prefetched while
-// one group is read. The x86-64-v3 build runs the inner loops in AVX2 (vec_avx2.h), others in scalar
+// K/V row of all kv heads is read as one contiguous span. Scores over the row's visible keys are computed
+// 8 keys at a time into a thread-local buffer, soft-maxed in float32, then V is accumulated in float32 —
+// the two-pass form of vLLM's CPU paged attention (PagedAttention, Kwon et al. 2023); K and V are
+// prefetched into L2 PREFETCH_TOKENS ahead of the keys being scored. The x86-64-v3 build runs the inner loops in AVX2 (vec_avx2.h), others in scalar
 // loops. Work items are spread over torch's own OpenMP pool with at::parallel_for, so the kernel
 // respects torch.set_num_threads.
 //
