@@ -112,7 +112,3 @@ class Job:
         self._log.close()
         self._dir.cleanup()
 
-
-def version(python: str) -> str:
-    return subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                          text=True, check=True).stdout.strip()

@@ -8,12 +8,12 @@ JOB: ``{"model": HF dir, "kind": "offline" | "sequential", "prompts": [[token id
 {name: config or null}}``. Results are JSON lines written to the inherited file descriptor OUT_FD (vLLM logs
 to stdout and stderr).
 
-- ``offline``: one engine, warmed up with 2 prompts, then ``{"ready": true}``; for each ``run`` line on stdin,
+- ``offline``: one engine, warmed up with 2 prompts, then ``{"ready": true, "version"}``; for each ``run`` line on stdin,
   all prompts in one ``LLM.generate`` call (prefix cache reset first) and ``{"seconds", "output_tokens",
   "token_ids"}``; stops at end of input. The caller alternates these runs with its own.
 - ``sequential``: per entry of ``speculative_configs`` (null = no speculation) one engine; the prompts one
   at a time (concurrency 1), ``repeats`` times, the configurations alternating per repeat; one line
-  ``{name: {"runs": [{"seconds", "output_tokens"}], "token_ids": [[...]]}}``.
+  ``{"version", name: {"runs": [{"seconds", "output_tokens"}], "token_ids": [[...]]}}``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ def _generate(llm, prompts, params):
 
 
 def main() -> None:
+    import vllm
     from vllm import LLM, SamplingParams
 
     job = json.load(open(sys.argv[1]))
@@ -44,7 +45,7 @@ def main() -> None:
     if job["kind"] == "offline":
         llm = LLM(model=job["model"], **job["engine"])
         _generate(llm, prompts[:2], warm)
-        send({"ready": True})
+        send({"ready": True, "version": vllm.__version__})
         for line in sys.stdin:
             if line.strip() != "run":
                 break
@@ -57,7 +58,7 @@ def main() -> None:
     for name, spec in job["speculative_configs"].items():
         engines[name] = LLM(model=job["model"], speculative_config=spec, **job["engine"])
         _generate(engines[name], prompts[:1], warm)
-    out = {name: {"runs": []} for name in engines}
+    out = {"version": vllm.__version__} | {name: {"runs": []} for name in engines}
     for _ in range(job["repeats"]):
         for name, llm in engines.items():
             llm.reset_prefix_cache()

@@ -178,12 +178,12 @@ def run_transformers(model_path, prompts, output_len, batch_size):
 
 def vllm_job(args, model_path: str, prompts) -> _vllm.Job:
     """vLLM's CPU engine on the same float32 weights, token ids, scheduler budget and threads
-    (``benchmarks/_vllm.py``), loaded and warmed up: each ``run()`` is one timed run."""
+    (``benchmarks/_vllm.py``), loaded and warmed up: each ``run()`` is one timed run; ``.version`` is vLLM's."""
     job = _vllm.Job(args.vllm_python, {"kind": "offline", "model": _vllm.hf_checkpoint(model_path), "prompts": prompts,
                                        "max_tokens": args.output_len, "ignore_eos": True,
                                        "engine": vllm_engine_args(args)}, torch.get_num_threads())
     try:
-        job.read()  # ready
+        job.version = job.read()["version"]  # ready
     except BaseException:
         job.__exit__(None, None, None)
         raise
@@ -244,6 +244,7 @@ def main(argv=None) -> int:
         runs: dict[str, list[dict]] = {name: [] for name in engines}
         toks: dict[str, list] = {}
         vllm_runs: list[dict] = []
+        vllm_version = vllm.version if vllm else None
         for _ in range(args.repeats):  # alternate the variants (and vLLM): load drifts on a shared machine
             for name, (llm, _) in engines.items():
                 r, toks[name] = run_kvfleet(llm, prompts, args.output_len)
@@ -279,7 +280,7 @@ def main(argv=None) -> int:
     del engines
     if vllm_runs:
         rates = [r["output_tokens"] / r["seconds"] for r in vllm_runs]
-        res["vllm"] = {"version": _vllm.version(args.vllm_python), "engine": vllm_engine_args(args),
+        res["vllm"] = {"version": vllm_version, "engine": vllm_engine_args(args),
                        "runs_tok_per_s": [round(r, 1) for r in rates], "median_tok_per_s": statistics.median(rates),
                        "identical_to_kvfleet": sum(a == b for a, b in zip(toks[head], vllm_runs[-1]["token_ids"]))}
         res["ratio_to_vllm"] = kv["median_tok_per_s"] / res["vllm"]["median_tok_per_s"]

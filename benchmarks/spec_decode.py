@@ -158,7 +158,7 @@ def vllm_row(args, plain, prompts: list[str], kv_plain: list, kv_spec: list, pai
     p_s = statistics.median(r["seconds"] for r in out["plain"]["runs"])
     s_s = statistics.median(r["seconds"] for r in out["ngram"]["runs"])
     n_p, n_s = out["plain"]["runs"][0]["output_tokens"], out["ngram"]["runs"][0]["output_tokens"]
-    return dict(version=_vllm.version(args.vllm_python), speculative_config=ngram, plain_s=round(p_s, 3),
+    return dict(version=out["version"], speculative_config=ngram, plain_s=round(p_s, 3),
                 spec_s=round(s_s, 3), plain_tok_s=round(n_p / p_s, 2), spec_tok_s=round(n_s / s_s, 2),
                 ratio=round(p_s / s_s, 3), kvfleet_spec_s=round(kv_spec_s, 3),
                 plain_same=sum(a == b for a, b in zip(kv_plain, out["plain"]["token_ids"])),

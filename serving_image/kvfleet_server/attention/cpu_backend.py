@@ -41,10 +41,14 @@ SPAN_MIN_ROWS, SPAN_MAX_ROWS, SPAN_MAX_CONTEXT = 4, 64, 2048
 
 
 def _in_span_kernel(p, q, k_cache, kv_scales) -> bool:
-    rows_ok = p.q_len <= SPAN_MAX_ROWS if p.mask is not None else p.prefix_len == 0
-    return (rows_ok and SPAN_MIN_ROWS <= p.q_len and p.ctx_len <= SPAN_MAX_CONTEXT
+    return ((p.mask is None or p.q_len <= SPAN_MAX_ROWS) and SPAN_MIN_ROWS <= p.q_len and p.ctx_len <= SPAN_MAX_CONTEXT
             and kv_scales is None and q.dtype == torch.float32 and k_cache.dtype == torch.float32
             and q.shape[-1] % 16 == 0)
+
+
+def _rows_contiguous(t: torch.Tensor) -> bool:
+    """Each [num_kv_heads, head_dim] row of ``t`` is one contiguous span (reshape_and_cache_cpu copies it whole)."""
+    return t.stride(-1) == 1 and t.stride(1) == t.shape[2]
 
 
 def _in_kernel(p) -> bool:
@@ -96,8 +100,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-        if kv_scales is None and k.stride(-1) == 1 and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2] \
-                and v.stride(-1) == 1:  # the C++ write (one memcpy per row); FP8 quantizes in write_kv
+        if kv_scales is None and _rows_contiguous(k) and _rows_contiguous(v):  # FP8 quantizes in write_kv
             self.write_op(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             k, v = write_kv(k, v, k_cache, v_cache, meta, kv_scales)
