@@ -8,9 +8,10 @@ Rows: the peer workload's decode step (32 sequences of 20-200 prompt + 32 output
 shared-prefix serving row (4 decodes over ~1,400 tokens), a batch-1 decode at 1,000 tokens, and spans of
 5 (a decode with 4 drafts), 16 and 48 tokens over a 1,400-token cached prefix (prefix-cache hit then the
 question), each in the path the cpu backend takes (float32 spans of 4-64 rows: the span kernel). A second
-table times spans of 2-65 rows over a 250- and a 1,400-token prefix (a decode with 1-64 drafts; the
-spec_decode benchmark's contexts are ~250 tokens) in each of the three paths the cpu backend can take — the
-span kernel (``SPAN_MIN_ROWS``-``SPAN_MAX_ROWS`` float32 rows), the per-row kernel, gather + SDPA — and
+table times spans of 2-257 rows over a 250- and a 1,400-token prefix (a decode with 1-64 drafts, the
+spec_decode benchmark's contexts being ~250 tokens; a chunk over a prefix-cache hit) in each of the three
+paths the cpu backend can take — the span kernel (``SPAN_MIN_ROWS`` float32 rows or more), the per-row
+kernel, gather + SDPA — and
 names the one it takes. A third table times chunks that start at position 0 (8-1,100 rows) in the span kernel
 and in SDPA; the last line, the peer decode step over 30 layers' caches streamed from memory.
 """
@@ -105,14 +106,14 @@ def spans(cpu, repeats: int) -> None:
     """Each path's time on spans over a cached prefix; ratios against the path the backend takes."""
     from kvfleet_server.attention import cpu_backend as cb
 
-    paths = {"span kernel": dict(SPAN_MIN_ROWS=1, SPAN_MAX_ROWS=1 << 30),
+    paths = {"span kernel": dict(SPAN_MIN_ROWS=1),
              "per-row kernel": dict(SPAN_MIN_ROWS=1 << 30, KERNEL_MAX_SPAN=1 << 30),
              "SDPA": dict(SPAN_MIN_ROWS=1 << 30, KERNEL_MAX_SPAN=0)}
     print(f"\n{'span over a cached prefix':30s} " + " ".join(f"{p + ' ms':>17s}" for p in paths)
           + f" {'taken':>15s} {'per-row / taken':>15s}")
-    saved = {k: getattr(cb, k) for k in ("SPAN_MIN_ROWS", "SPAN_MAX_ROWS", "KERNEL_MAX_SPAN")}
+    saved = {k: getattr(cb, k) for k in ("SPAN_MIN_ROWS", "KERNEL_MAX_SPAN")}
     for prefix in (250, 1400):
-        for rows in (2, 4, 5, 9, 17, 33, 65):
+        for rows in (2, 4, 5, 9, 17, 33, 65, 129, 257):
             case = make_case([(prefix, rows)], 9, 3, 64, 16, torch.float32, share=False)
             p = case.meta.prefills[0]
             taken = ("span kernel" if cb._in_span_kernel(p, case.q, case.k_cache, None)

@@ -77,18 +77,19 @@ def test_kernel_spans_over_a_cached_prefix(cpu_backend, monkeypatch, max_span):
 @pytest.mark.parametrize("heads", GQA + [(9, 3)], ids=lambda h: f"{h[0]}q{h[1]}kv")
 @pytest.mark.parametrize("head_dim,block_size", [(64, 16), (16, 8), (32, 4)])
 def test_span_kernel_matches_torch_backend(cpu_backend, heads, head_dim, block_size):
-    """Float32 spans of SPAN_MIN_ROWS-SPAN_MAX_ROWS rows over a cached prefix (verifications of 3-63
-    drafts, short chunks) attend in the span kernel: each row over its own context (a tile of six query
-    vectors straddles rows and heads), prefixes that are not multiples of 16 or of the block size, a
-    prefix of one token — within 1e-5 of the oracle; shorter spans and longer chunks keep their paths."""
+    """Float32 spans of SPAN_MIN_ROWS rows or more over a cached prefix (verifications of 3 or more drafts,
+    chunks over a prefix-cache hit, 65 and 300 rows among them) attend in the span kernel: each row over its
+    own context (a tile of query vectors straddles rows and heads), prefixes that are not multiples of 16 or
+    of the block size, a prefix of one token — within 1e-5 of the oracle; shorter spans and contexts past
+    SPAN_MAX_CONTEXT keep their paths."""
     from kvfleet_server.attention import cpu_backend as mod
 
     h, kvh = heads
-    seqs = [(37, 1), (20, 3), (45, 4), (1, 7), (16, 16), (150, 17), (300, 64), (33, 65), (2100, 5)]
+    seqs = [(37, 1), (20, 3), (45, 4), (1, 7), (16, 16), (150, 17), (300, 64), (33, 65), (200, 300), (2100, 5)]
     case = make_case(seqs, h, kvh, head_dim, block_size, torch.float32, seed=h + head_dim)
     routed = [mod._in_span_kernel(p, case.q, case.k_cache, None) for p in case.meta.prefills]
-    # 3 rows: the per-row kernel; 65 rows, or a context past SPAN_MAX_CONTEXT: the other paths
-    assert routed == [False, True, True, True, True, True, False, False]
+    # 3 rows: the per-row kernel; a context past SPAN_MAX_CONTEXT: SDPA
+    assert routed == [False, True, True, True, True, True, True, True, False]
     res = compare(cpu_backend, TorchAttentionBackend(), case)
     assert res["rel_err"] < 1e-5, res
     assert res["cache_equal"]

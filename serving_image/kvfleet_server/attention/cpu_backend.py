@@ -1,15 +1,13 @@
 """CPU paged-attention backend: decode rows and short spans over a cached prefix (decodes with draft
 tokens, small chunks) attend through their block tables in place, in kvfleet's C++ kernels
 (``csrc/paged_attention_cpu.cpp``, built by ``cpu_ext``); the torch reference gathers every context into
-a padded copy first, at every layer and step. A span of ``SPAN_MIN_ROWS`` to ``SPAN_MAX_ROWS`` rows over
-a context of at most ``SPAN_MAX_CONTEXT`` tokens, float32 query and cache, head_dim a multiple of 16 (a
-verification of 3 or more drafts, a short chunk) goes to the span kernel, which reads the sequence's keys
-and values once for all of its rows (``paged_span_attention_cpu``); other spans of up to
-``KERNEL_MAX_SPAN`` rows go to the per-row kernel. Longer
-chunks over a cached prefix are gathered and attended with SDPA (its matrix products win there: measured
-in benchmarks/cpu_attention.py), and chunks that start at position 0 attend over themselves with SDPA
-(flash attention on the CPU), as in the torch backend — vLLM's CPU backend makes the same split — unless
-they are float32 chunks of 4 to ``SPAN_MAX_CONTEXT`` rows, which the span kernel attends faster. K/V
+a padded copy first, at every layer and step. A span of ``SPAN_MIN_ROWS`` rows or more over a context of
+at most ``SPAN_MAX_CONTEXT`` tokens, float32 query and cache, head_dim a multiple of 16 (a verification of 3
+or more drafts, a chunk over a prefix-cache hit or over its sequence's earlier chunks, a chunk from position
+0) goes to the span kernel, which reads the sequence's keys and values once for all of its rows
+(``paged_span_attention_cpu``); other spans of up to ``KERNEL_MAX_SPAN`` rows go to the per-row kernel.
+The rest (other dtypes, longer contexts) is gathered and attended with SDPA — flash attention on the CPU
+for chunks from position 0 — as in the torch backend; vLLM's CPU backend makes that split. K/V
 writes go to ``reshape_and_cache_cpu`` (one copy per row), FP8 caches (quantized on write) to the torch
 backend's ``write_kv``.
 
@@ -27,23 +25,22 @@ from .torch_ref import cache_reader, causal_prefill, masked_prefill, write_kv
 #: spans over a cached prefix with at most this many rows (not taken by the span kernel) go through the
 #: per-row kernel, longer ones through SDPA
 KERNEL_MAX_SPAN = 8  # benchmarks/cpu_attention.py over a 1,400-token prefix: 5 rows 1.5x, 8 rows 1.1x, 16 rows 0.8x
-#: float32 spans of this many rows go to the span kernel (benchmarks/cpu_attention.py, 2026-12-04: over a
-#: 250-token prefix 1.5x the per-row kernel at 17 rows, 1.1x at 5; over 1,400 tokens 1.7-2.0x at 17-33
-#: rows; under 4 rows its panel copies cost more than they save), over contexts of at most
-#: SPAN_MAX_CONTEXT tokens (it copies the context's K/V into panels at every layer; measured up to 1,400
-#: tokens, the cap bounds the panels' memory). Its rows agree with the per-row kernel's to float32
-#: rounding (~1e-7), not bit for bit: a greedy near-tie may resolve differently with drafts.
-SPAN_MIN_ROWS, SPAN_MAX_ROWS, SPAN_MAX_CONTEXT = 4, 64, 2048
-#: a float32 chunk that starts at position 0 (it attends over itself, causally) of SPAN_MIN_ROWS to
-#: SPAN_MAX_CONTEXT rows goes to the span kernel too, reading its own K/V back from the cache (written first):
-#: against SDPA's flash attention, 0.24-0.58x the time at 8-384 rows and 0.73x at 700-1,100 (SmolLM2's 9 / 3
-#: heads, 2 threads, Zen 4, 2026-12-07), within the same distance of float64.
+#: float32 spans of at least SPAN_MIN_ROWS rows over contexts of at most SPAN_MAX_CONTEXT tokens go to the
+#: span kernel. Over a cached prefix (benchmarks/cpu_attention.py, SmolLM2's 9 / 3 heads, 2 threads):
+#: 2026-12-04, 1.5x the per-row kernel at 17 rows over 250 tokens, 1.1x at 5, 1.7-2.0x at 17-33 rows over
+#: 1,400 (under 4 rows its panel copies cost more than they save); 2026-12-08 (Zen 4), SDPA took 1.3-1.9x
+#: its time at 65-1,024 rows over 250-1,400 tokens (contexts up to 2,048), within the same distance of the oracle. Chunks from
+#: position 0 attend over themselves, reading their own K/V back from the cache (written first): SDPA's
+#: flash attention took 1.4-4x its time at 8-1,100 rows (2026-12-07). SPAN_MAX_CONTEXT bounds the panels
+#: the kernel copies the context's K/V into at every layer (KVH x context x head_dim x 2 float32). Its rows
+#: agree with the per-row kernel's to float32 rounding (~1e-7), not bit for bit: a greedy near-tie may
+#: resolve differently with drafts.
+SPAN_MIN_ROWS, SPAN_MAX_CONTEXT = 4, 2048
 
 
 def _in_span_kernel(p, q, k_cache, kv_scales) -> bool:
-    return ((p.mask is None or p.q_len <= SPAN_MAX_ROWS) and SPAN_MIN_ROWS <= p.q_len and p.ctx_len <= SPAN_MAX_CONTEXT
-            and kv_scales is None and q.dtype == torch.float32 and k_cache.dtype == torch.float32
-            and q.shape[-1] % 16 == 0)
+    return (SPAN_MIN_ROWS <= p.q_len and p.ctx_len <= SPAN_MAX_CONTEXT and kv_scales is None
+            and q.dtype == torch.float32 and k_cache.dtype == torch.float32 and q.shape[-1] % 16 == 0)
 
 
 def _rows_contiguous(t: torch.Tensor) -> bool:
