@@ -7,13 +7,13 @@ side by side in one run: per-call time (median of --repeats), the ratio, and the
 Rows: the peer workload's decode step (32 sequences of 20-200 prompt + 32 output tokens), the
 shared-prefix serving row (4 decodes over ~1,400 tokens), a batch-1 decode at 1,000 tokens, and spans of
 5 (a decode with 4 drafts), 16 and 48 tokens over a 1,400-token cached prefix (prefix-cache hit then the
-question), each in the path the cpu backend takes (float32 spans of 4-64 rows: the span kernel). A second
+question), each in the path the cpu backend takes (float32 spans of 4 rows or more: the span kernel). A second
 table times spans of 2-257 rows over a 250- and a 1,400-token prefix (a decode with 1-64 drafts, the
 spec_decode benchmark's contexts being ~250 tokens; a chunk over a prefix-cache hit) in each of the three
 paths the cpu backend can take — the span kernel (``SPAN_MIN_ROWS`` float32 rows or more), the per-row
-kernel, gather + SDPA — and
-names the one it takes. A third table times chunks that start at position 0 (8-1,100 rows) in the span kernel
-and in SDPA; the last line, the peer decode step over 30 layers' caches streamed from memory.
+kernel, gather + SDPA — and names the one it takes. A third table times chunks that start at position 0
+(8-1,100 rows) in the span kernel and in SDPA; the last line, the peer decode step over 30 layers' caches
+streamed from memory.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""CPU paged-attention backend: decode rows and short spans over a cached prefix (decodes with draft
-tokens, small chunks) attend through their block tables in place, in kvfleet's C++ kernels
+"""CPU paged-attention backend: decode rows and spans over a cached prefix (decodes with draft tokens,
+prefill chunks) attend through their block tables in place, in kvfleet's C++ kernels
 (``csrc/paged_attention_cpu.cpp``, built by ``cpu_ext``); the torch reference gathers every context into
 a padded copy first, at every layer and step. A span of ``SPAN_MIN_ROWS`` rows or more over a context of
 at most ``SPAN_MAX_CONTEXT`` tokens, float32 query and cache, head_dim a multiple of 16 (a verification of 3
@@ -28,13 +28,13 @@ KERNEL_MAX_SPAN = 8  # benchmarks/cpu_attention.py over a 1,400-token prefix: 5 
 #: float32 spans of at least SPAN_MIN_ROWS rows over contexts of at most SPAN_MAX_CONTEXT tokens go to the
 #: span kernel. Over a cached prefix (benchmarks/cpu_attention.py, SmolLM2's 9 / 3 heads, 2 threads):
 #: 2026-12-04, 1.5x the per-row kernel at 17 rows over 250 tokens, 1.1x at 5, 1.7-2.0x at 17-33 rows over
-#: 1,400 (under 4 rows its panel copies cost more than they save); 2026-12-08 (Zen 4), SDPA took 1.3-1.9x
-#: its time at 65-1,024 rows over 250-1,400 tokens (contexts up to 2,048), within the same distance of the oracle. Chunks from
-#: position 0 attend over themselves, reading their own K/V back from the cache (written first): SDPA's
-#: flash attention took 1.4-4x its time at 8-1,100 rows (2026-12-07). SPAN_MAX_CONTEXT bounds the panels
-#: the kernel copies the context's K/V into at every layer (KVH x context x head_dim x 2 float32). Its rows
-#: agree with the per-row kernel's to float32 rounding (~1e-7), not bit for bit: a greedy near-tie may
-#: resolve differently with drafts.
+#: 1,400 (under 4 rows its panel copies cost more than they save); 2026-12-07 (Zen 4), SDPA took 1.3-1.9x
+#: its time at 65-1,024 rows over 250-1,400 tokens (contexts up to 2,048), within the same distance of the
+#: oracle. Chunks from position 0 attend over themselves, reading their own K/V back from the cache (written
+#: first): SDPA's flash attention took 1.4-4x its time at 8-1,100 rows (2026-12-07). SPAN_MAX_CONTEXT bounds
+#: the panels the kernel copies the context's K/V into at every layer (KVH x context x head_dim x 2 float32).
+#: Its rows agree with the per-row kernel's to float32 rounding (~1e-7), not bit for bit: a greedy near-tie
+#: may resolve differently with drafts.
 SPAN_MIN_ROWS, SPAN_MAX_CONTEXT = 4, 2048
 
 

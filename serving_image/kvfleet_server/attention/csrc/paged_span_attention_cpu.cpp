@@ -1,5 +1,5 @@
 // Paged attention of a span on the CPU: the rows of one sequence's chunk over its cached prefix (a decode
-// with its draft tokens, a short prefill chunk), sharing every key and value load between the rows.
+// with its draft tokens, a prefill chunk), sharing every key and value load between the rows.
 //
 // Registered as torch.ops.kvfleet.paged_span_attention_cpu (an opaque op, like paged_attention_cpu).
 
