@@ -5,9 +5,9 @@
 // K/V row of all kv heads is read as one contiguous span. Scores over the row's visible keys are computed
 // 8 keys at a time into a thread-local buffer, soft-maxed in float32, then V is accumulated in float32 —
 // the two-pass form of vLLM's CPU paged attention (PagedAttention, Kwon et al. 2023); K and V are
-// prefetched into L2 PREFETCH_TOKENS ahead of the keys being scored. The x86-64-v3 build runs the inner loops in AVX2 (vec_avx2.h), others in scalar
-// loops. Work items are spread over torch's own OpenMP pool with at::parallel_for, so the kernel
-// respects torch.set_num_threads.
+// prefetched into L2 PREFETCH_TOKENS ahead of the keys being scored. The x86-64-v3 build runs the inner
+// loops in AVX2 (vec_avx2.h), others in scalar loops. Work items are spread over torch's own OpenMP pool
+// with at::parallel_for, so the kernel respects torch.set_num_threads.
 //
 // Registered as torch.ops.kvfleet.paged_attention_cpu (an opaque op; attention runs eagerly between compiled
 // pieces). The span kernel (rows of one sequence sharing their keys) is paged_span_attention_cpu.cpp.
@@ -188,7 +188,7 @@ void attend(at::Tensor& out, const at::Tensor& q, const c_t* k_base, const c_t* 
         const q_t* src = qp + row * q_s0 + (kh0 * G + h) * q_s1;
         for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(src[d]) * sc;
       }
-      // pass 1: scores[h][t] = q_h . k_t, 8 keys at a time (a short last group repeats its last key); K is
+      // pass 1: scores[h][t] = q_h . k_t, 8 keys at a time (a short last group repeats its last key); K
       // and V are prefetched PREFETCH_TOKENS ahead into L2, so that pass 2 reads V from L2
       const int64_t span = HPI * D;  // the values of one token this item reads
       for (int64_t t = 0; t < std::min(L, PREFETCH_TOKENS); ++t) {
