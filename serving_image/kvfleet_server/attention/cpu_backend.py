@@ -7,7 +7,8 @@ or more drafts, a chunk over a prefix-cache hit or over its sequence's earlier c
 0) goes to the span kernel, which reads the sequence's keys and values once for all of its rows
 (``paged_span_attention_cpu``); other spans of up to ``KERNEL_MAX_SPAN`` rows go to the per-row kernel.
 The rest (other dtypes, longer contexts) is gathered and attended with SDPA — flash attention on the CPU
-for chunks from position 0 — as in the torch backend; vLLM's CPU backend makes that split. K/V
+for chunks from position 0 — as in the torch backend (vLLM's torch-SDPA CPU backend made that split; its
+0.32 CPU engine attends prefill and decode in one kernel, ``cpu_attention_with_kv_cache``). K/V
 writes go to ``reshape_and_cache_cpu`` (one copy per row), FP8 caches (quantized on write) to the torch
 backend's ``write_kv``.
 
