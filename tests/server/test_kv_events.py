@@ -228,9 +228,12 @@ def test_a_stalled_subscriber_never_slows_the_step(publishing):
     stalled.connect(f"tcp://127.0.0.1:{port}")
     time.sleep(0.3)
     try:
+        # the reading subscriber misses nothing. Each batch is received before the next run: the fixture's queue
+        # holds 4 batches, and a publisher thread starved for the few ms of six tiny runs would drop some (CI did)
         for i in range(6):
             _run(eng, f"s{i}", [5000 + 100 * i + t for t in range(8)])
-        assert [s for _, s, _ in live.receive(6)] == list(range(6))  # the reading subscriber misses nothing
+            assert [s for _, s, _ in live.receive(1)] == [i]
+        assert pub.num_dropped == 0
 
         # the publisher thread itself stalls (as if starved): the queue holds max_queue_size batches, the
         # engine's call never waits, the overflow is dropped and counted, and its sequence numbers are skipped
