@@ -19,7 +19,7 @@ streamed from memory.
 from __future__ import annotations
 
 import copy
-import time
+import timeit
 
 import torch
 from _common import kernel_bench_args, median_seconds
@@ -98,11 +98,7 @@ def streamed_decode(cpu, repeats: int, layers: int = 30) -> None:
         for c in cases:
             cpu.op(out, c.q, c.k_cache, c.v_cache, tables, rows, row_seq, row_len, c.scale, 1.0, 1.0)
     step()  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - t0)
+    best = min(timeit.repeat(step, number=1, repeat=repeats))
     token_bytes = cases[0].k_cache[0, 0].nbytes  # one token's K (or V) row, every kv head
     kv_bytes = int(row_len.sum()) * token_bytes * 2 * layers
     print(f"\npeer decode step, {layers} layers' caches streamed from memory: {best / layers * 1e6:.0f} us per layer, "
